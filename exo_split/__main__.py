@@ -1,0 +1,3 @@
+from exo_split.cli import main
+
+raise SystemExit(main())

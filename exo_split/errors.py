@@ -1,0 +1,36 @@
+"""Named errors. Each message says what was expected and what came."""
+
+
+class ExoSplitError(Exception):
+    """Base class: an error the CLI prints as one line (with a hint) instead of a traceback."""
+
+    hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        if hint is not None:
+            self.hint = hint
+
+
+class BadCheckpoint(ExoSplitError):
+    """The model directory is missing, incomplete or of an unsupported architecture."""
+
+
+class PromptTooLong(ExoSplitError):
+    """The prompt (plus the tokens to generate) does not fit the model's context."""
+
+
+class IncompatiblePeer(ExoSplitError):
+    """Two sides do not run the same model: their KV caches cannot be exchanged."""
+
+
+class ProtocolError(ExoSplitError):
+    """A frame on the wire broke the protocol (bad header, size, order, CRC...)."""
+
+
+class PeerUnavailable(ExoSplitError):
+    """A peer could not be reached, refused the request, or died mid-stream."""
+
+
+class AuthError(ExoSplitError):
+    """A request carried no token or the wrong one."""
