@@ -1,0 +1,120 @@
+"""In-process split: prefill on backend A, hand the KV and the first token to backend B,
+decode on B. No network; the node agents reuse `decode_tokens` and `check_request`.
+
+How a request is split between the phases (one rule, here): the prefill side runs every
+prompt token and samples generation step 0 from the last position's logits; the decode
+side feeds that token in as its first step and samples steps 1, 2, ...
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from exo_split.backends.base import Backend
+from exo_split.errors import ExoSplitError, PromptTooLong
+from exo_split.sampling import Sampling, sample
+from exo_split.spec import ModelSpec, require_compatible
+
+
+def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
+    """Refuse, with a clear message, a request the model cannot hold."""
+    if prompt_len < 1:
+        raise ExoSplitError("the prompt is empty: nothing to prefill")
+    if max_tokens < 1:
+        raise ExoSplitError(f"max tokens must be at least 1, got {max_tokens}")
+    total = prompt_len + max_tokens
+    if total > spec.max_position_embeddings:
+        raise PromptTooLong(
+            f"prompt ({prompt_len} tokens) + max tokens ({max_tokens}) = {total} exceeds the "
+            f"model's context of {spec.max_position_embeddings}",
+            hint="shorten the prompt or lower --max-tokens",
+        )
+    if spec.sliding_window and total > spec.sliding_window:
+        raise PromptTooLong(
+            f"prompt + max tokens = {total} exceeds the sliding window of {spec.sliding_window}; "
+            "exo-split does not support sliding-window attention beyond the window yet"
+        )
+
+
+def decode_tokens(
+    backend: Backend,
+    cache: Any,
+    first_token: int,
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop_ids: frozenset[int] = frozenset(),
+) -> Iterator[int]:
+    """Yield generated tokens 1..max_tokens-1 (token 0, `first_token`, came from prefill).
+
+    Stops after yielding a stop token. The caller yields/prints `first_token` itself.
+    """
+    token = first_token
+    for step in range(1, max_tokens):
+        if token in stop_ids:
+            return
+        logits = backend.step(cache, token)
+        token, _ = sample(logits, sampling, step)
+        yield token
+
+
+@dataclass
+class SplitResult:
+    tokens: list[int]
+    prompt_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    token_times: list[float] = field(default_factory=list)
+
+
+def split_generate(
+    prefill: Backend,
+    decode: Backend,
+    token_ids: Sequence[int],
+    *,
+    max_tokens: int,
+    sampling: Sampling = Sampling(),
+    chunk: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
+    on_token: Callable[[int], None] | None = None,
+) -> SplitResult:
+    """Prefill on `prefill`, inject each layer into `decode`'s cache as it lands, decode there."""
+    require_compatible(prefill.spec, decode.spec, what="the decode backend")
+    check_request(prefill.spec, len(token_ids), max_tokens)
+    t0 = time.perf_counter()
+    if prefill is decode:
+        done = prefill.prefill(token_ids, chunk=chunk, capacity=len(token_ids) + max_tokens)
+        cache = done.cache
+    else:
+        cache = decode.new_cache(len(token_ids) + max_tokens)
+
+        def on_layer(kv):
+            decode.inject(cache, kv.astype(decode.dtype))
+
+        done = prefill.prefill(token_ids, chunk=chunk, on_layer=on_layer)
+    t_prefill = time.perf_counter()
+    first, _ = sample(done.logits, sampling, 0)
+    tokens = [first]
+    times = [time.perf_counter()]
+    if on_token:
+        on_token(first)
+    for token in decode_tokens(
+        decode, cache, first, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids
+    ):
+        tokens.append(token)
+        times.append(time.perf_counter())
+        if on_token:
+            on_token(token)
+    t_end = time.perf_counter()
+    n_decode = len(tokens) - 1
+    timings = {
+        "prefill_s": t_prefill - t0,
+        "ttft_s": times[0] - t0,
+        "decode_s": t_end - times[0],
+        "total_s": t_end - t0,
+        "prefill_tokens_per_s": len(token_ids) / max(t_prefill - t0, 1e-9),
+        "decode_tokens_per_s": n_decode / (t_end - times[0]) if n_decode else 0.0,
+    }
+    return SplitResult(tokens, len(token_ids), timings, [t - t0 for t in times])

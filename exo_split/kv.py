@@ -1,0 +1,111 @@
+"""LayerKV: one piece of one layer's KV cache on the host, and how a dtype becomes bytes.
+
+numpy only. numpy has no bfloat16, so bfloat16 travels as raw 16-bit words (uint16) and is
+reinterpreted with `.view` on the other side: conversions are bit-exact by construction.
+Layout of K and V: `[n_kv_heads, n_tokens, head_dim]`, row-major, keys already rotated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPES = ("float32", "float16", "bfloat16")
+_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype that holds `name` bit for bit (bfloat16 -> uint16 words)."""
+    try:
+        return np.dtype(_STORAGE[name])
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: expected one of {', '.join(DTYPES)}") from None
+
+
+def itemsize(name: str) -> int:
+    return storage_dtype(name).itemsize
+
+
+def bf16_words_from_float32(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (round to nearest even), returned as uint16 words."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + 0x7FFF
+    return ((bits + rounding) >> 16).astype(np.uint16)
+
+
+def float32_from_bf16_words(words: np.ndarray) -> np.ndarray:
+    return (np.asarray(words, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """K and V of one layer for prompt positions [token_start, token_start + n_tokens)."""
+
+    layer: int
+    token_start: int
+    k: np.ndarray  # [n_kv_heads, n_tokens, head_dim], storage dtype
+    v: np.ndarray  # same shape and dtype as k
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+    def __post_init__(self):
+        if self.k.shape != self.v.shape or self.k.ndim != 3:
+            raise ValueError(
+                f"K {self.k.shape} and V {self.v.shape} must both be [heads, tokens, dim]"
+            )
+        if self.k.dtype != storage_dtype(self.dtype) or self.v.dtype != self.k.dtype:
+            raise ValueError(f"K/V stored as {self.k.dtype}/{self.v.dtype}, expected {self.dtype}")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def buffers(self) -> tuple[memoryview, memoryview]:
+        """Byte views of K and V (copies only if the arrays are not C-contiguous)."""
+        k = np.ascontiguousarray(self.k)
+        v = np.ascontiguousarray(self.v)
+        return memoryview(k).cast("B"), memoryview(v).cast("B")
+
+    @classmethod
+    def from_bytes(
+        cls,
+        layer: int,
+        token_start: int,
+        n_tokens: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        k: bytes | bytearray | memoryview,
+        v: bytes | bytearray | memoryview,
+    ) -> LayerKV:
+        """Views over received bytes, no copy."""
+        shape = (n_kv_heads, n_tokens, head_dim)
+        sd = storage_dtype(dtype)
+        return cls(
+            layer,
+            token_start,
+            np.frombuffer(k, dtype=sd).reshape(shape),
+            np.frombuffer(v, dtype=sd).reshape(shape),
+            dtype,
+        )
+
+    def astype(self, dtype: str) -> LayerKV:
+        """Convert to another wire dtype (float32 <-> float16 <-> bfloat16)."""
+        if dtype == self.dtype:
+            return self
+        k, v = (_to_float32(x, self.dtype) for x in (self.k, self.v))
+        return LayerKV(
+            self.layer, self.token_start, _from_float32(k, dtype), _from_float32(v, dtype), dtype
+        )
+
+
+def _to_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    return float32_from_bf16_words(x) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+def _from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
+    return bf16_words_from_float32(x) if dtype == "bfloat16" else x.astype(storage_dtype(dtype))

@@ -1,0 +1,189 @@
+"""ModelSpec: what two sides must agree on for a KV cache to move between them.
+
+Read from a Hugging Face checkpoint's config.json, no torch or mlx imports. Both the old
+layout (`rope_theta`, `rope_scaling`) and the transformers-5 layout (`rope_parameters`)
+are read into one canonical form, because this is where silent errors live: a backend
+that misses a rope setting still produces tokens, just wrong ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from exo_split.errors import BadCheckpoint, IncompatiblePeer
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Families whose q/k/v projections always carry a bias (not announced in config.json).
+_ALWAYS_QKV_BIAS = {"qwen2"}
+# Families with per-head RMSNorm on q and k.
+_QK_NORM = {"qwen3"}
+
+_ROPE_KEYS = (
+    "rope_type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The maths of a checkpoint. Equal fingerprints <=> a KV cache from one side is valid on the other."""
+
+    architecture: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # Informational only: not part of the fingerprint (a float16 and a bfloat16 copy of the
+    # same weights are the same model; the dtype on the wire is negotiated per request).
+    name: str = field(default="", compare=False)
+    checkpoint_dtype: str | None = field(default=None, compare=False)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes per prompt token over all layers, at 2 bytes per element."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2
+
+    def maths(self) -> dict[str, Any]:
+        """The fingerprinted fields as a plain dict (rope scaling as a dict)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
+        out["rope_scaling"] = dict(self.rope_scaling)
+        return out
+
+    @property
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.maths(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.maths()
+        out["name"] = self.name
+        out["checkpoint_dtype"] = self.checkpoint_dtype
+        out["fingerprint"] = self.fingerprint
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs["rope_scaling"] = tuple(sorted((d.get("rope_scaling") or {}).items()))
+        return cls(**kwargs)
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    params = config.get("rope_parameters") or {}
+    legacy = config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    merged = {**legacy, **params}
+    if "type" in merged and "rope_type" not in merged:
+        merged["rope_type"] = merged.pop("type")
+    scaling = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        scaling = {}
+    elif rope_type not in ("llama3", "linear"):
+        raise BadCheckpoint(
+            f"unsupported rope type {rope_type!r}: exo-split supports default, linear and llama3"
+        )
+    return float(theta), tuple(sorted(scaling.items()))
+
+
+def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
+    """Canonical ModelSpec from a config.json dict; raises BadCheckpoint on what we cannot run."""
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BadCheckpoint(
+            f"unsupported architecture {arch!r}: exo-split supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        n_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        n_kv = int(config.get("num_key_value_heads") or n_heads)
+        head_dim = int(config.get("head_dim") or hidden // n_heads)
+        theta, scaling = _rope(config)
+        window = None
+        if arch == "mistral" or (arch in ("qwen2", "qwen3") and config.get("use_sliding_window")):
+            window = config.get("sliding_window")
+        return ModelSpec(
+            architecture=arch,
+            n_layers=int(config["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch in _ALWAYS_QKV_BIAS or bool(config.get("attention_bias", False)),
+            qk_norm=arch in _QK_NORM,
+            sliding_window=int(window) if window else None,
+            name=name,
+            checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadCheckpoint(f"config.json is missing or has a bad value for {exc}") from exc
+
+
+def load_spec(model_dir: str | Path) -> ModelSpec:
+    """Read and validate a checkpoint directory (config.json, weights, tokenizer)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise BadCheckpoint(
+            f"{path} is not a directory", hint="--model takes a checkpoint directory"
+        )
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise BadCheckpoint(
+            f"{path} is not a Hugging Face checkpoint: no config.json",
+            hint="point --model at a directory holding config.json, *.safetensors and tokenizer.json",
+        )
+    if not any(path.glob("*.safetensors")):
+        raise BadCheckpoint(f"{path} has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file():
+        raise BadCheckpoint(f"{path} has no tokenizer.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BadCheckpoint(f"cannot read {config_file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise BadCheckpoint(f"{config_file} is not a JSON object")
+    return spec_from_config(config, name=path.name)
+
+
+def differences(a: ModelSpec, b: ModelSpec) -> list[str]:
+    """Human-readable 'field: a != b' for every fingerprinted field that differs."""
+    ma, mb = a.maths(), b.maths()
+    return [f"{k}: {ma[k]!r} != {mb[k]!r}" for k in ma if ma[k] != mb[k]]
+
+
+def require_compatible(local: ModelSpec, remote: ModelSpec, *, what: str = "peer") -> None:
+    """Refuse to exchange KV between different models, naming the differing fields."""
+    diff = differences(local, remote)
+    if diff:
+        raise IncompatiblePeer(
+            f"{what} runs a different model (fingerprint {remote.fingerprint} != {local.fingerprint}): "
+            + "; ".join(diff),
+            hint="load the same checkpoint (same config.json) on both machines",
+        )
