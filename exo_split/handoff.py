@@ -15,7 +15,7 @@ from typing import Any
 
 from exo_split.backends.base import Backend
 from exo_split.errors import ExoSplitError, PromptTooLong
-from exo_split.sampling import Sampling, sample
+from exo_split.sampling import GREEDY, Sampling, sample
 from exo_split.spec import ModelSpec, require_compatible
 
 
@@ -75,7 +75,7 @@ def split_generate(
     token_ids: Sequence[int],
     *,
     max_tokens: int,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     chunk: int | None = None,
     stop_ids: frozenset[int] = frozenset(),
     on_token: Callable[[int], None] | None = None,

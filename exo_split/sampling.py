@@ -29,6 +29,9 @@ class Sampling:
         return cls(temperature=t, seed=int(d.get("seed", 0)))
 
 
+GREEDY = Sampling()
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x = x - x.max()
