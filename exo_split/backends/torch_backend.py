@@ -9,6 +9,7 @@ side stream, into pinned memory, and handed on from a drainer thread only once c
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -131,9 +132,13 @@ class TorchBackend:
         self.dtype = dtype
         self.torch_device = device
         self.device = device.type
+        # transformers >= 5.2x names the cache argument `cache`; earlier 5.x `past_key_values`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _run(self, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        kwargs = {self._cache_kwarg: cache}
+        out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[0, -1]
 
     @torch.inference_mode()

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from exo_split.kv import LayerKV, bf16_words_from_float32, float32_from_bf16_words, storage_dtype
+from exo_split.sampling import Sampling, sample
+
+
+def test_bf16_rounding_matches_torch():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 100
+    ours = bf16_words_from_float32(x.numpy())
+    theirs = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(
+        float32_from_bf16_words(ours), x.to(torch.bfloat16).float().numpy()
+    )
+
+
+def test_layer_kv_bytes_round_trip_without_copies():
+    k = np.arange(2 * 3 * 4, dtype=np.float16).reshape(2, 3, 4)
+    kv = LayerKV(1, 10, k, -k, "float16")
+    kb, vb = kv.buffers()
+    back = LayerKV.from_bytes(1, 10, 3, 2, 4, "float16", kb, vb)
+    np.testing.assert_array_equal(back.k, k)
+    assert np.shares_memory(back.k, k)
+    assert kv.nbytes == 2 * k.nbytes and kv.n_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("float32", "bfloat16"),
+        ("float32", "float16"),
+        ("bfloat16", "float32"),
+        ("float16", "bfloat16"),
+    ],
+)
+def test_astype_between_wire_dtypes(src, dst):
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(2, 3, 4)
+    a = LayerKV(0, 0, x, x, "float32").astype(src)
+    b = a.astype(dst)
+    assert b.k.dtype == storage_dtype(dst)
+    back = b.astype("float32").k
+    np.testing.assert_allclose(back, x, atol=0.02)
+
+
+def test_layer_kv_refuses_bad_shapes_and_dtypes():
+    with pytest.raises(ValueError, match="must both be"):
+        LayerKV(0, 0, np.zeros((2, 3, 4), np.float32), np.zeros((2, 4, 4), np.float32), "float32")
+    with pytest.raises(ValueError, match="expected bfloat16"):
+        LayerKV(0, 0, np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), "bfloat16")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        storage_dtype("int8")
+
+
+def test_sampling_greedy_and_seeded():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], np.float32)
+    assert sample(logits, Sampling(), 0)[0] == 1
+    s = Sampling(temperature=1.0, seed=7)
+    draws = [sample(logits, s, step)[0] for step in range(200)]
+    assert draws == [sample(logits, s, step)[0] for step in range(200)]
+    counts = np.bincount(draws, minlength=4) / 200
+    p = np.exp(logits) / np.exp(logits).sum()
+    np.testing.assert_allclose(counts, p, atol=0.1)
+    token, logp = sample(logits, Sampling(), 0)
+    assert logp == pytest.approx(float(np.log(p[1])), rel=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling.from_dict({"temperature": -1})
