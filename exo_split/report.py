@@ -1,0 +1,636 @@
+"""The timing report of one split request: data contract, figures, JSON and terminal text.
+
+Pure functions over plain numbers (no torch, mlx or aiohttp). The node code fills a `Timeline`
+with raw clock stamps: per-piece `compute_done`/`sent` and `prefill_start`/`prefill_end` on the
+prefill node's clock, everything else on the decode node's. `build_report` maps the prefill clock
+onto the decode clock (request round trip, midpoint) and computes the figures defined in
+docs/metrics.md. The HTML page is in report_html.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import statistics
+import textwrap
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+SCHEMA = "exo-split.report/1"
+COMPARISON_SCHEMA = "exo-split.comparison/1"
+MODES = ("overlap", "sequential", "local")
+# Target: exposed handoff <= 1.5 x one layer's wire time + 10 ms.
+TARGET_FACTOR, TARGET_SLACK_S = 1.5, 0.010
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """One (layer, chunk) piece of KV; a single chunk per layer when prefill is not chunked."""
+
+    layer: int
+    token_start: int
+    n_tokens: int
+    nbytes: int  # K+V payload bytes of this piece
+    compute_done: float  # prefill clock
+    sent: float  # prefill clock: the piece's last byte handed to the socket
+    received: float  # decode clock: the piece's last byte arrived
+    injected: float  # decode clock: the piece is in the decode cache
+
+
+@dataclass(frozen=True)
+class ClockSync:
+    """One request round trip, used to map the prefill clock onto the decode clock."""
+
+    decode_sent: float  # decode clock: POST /v1/prefill sent
+    prefill_received: float  # prefill clock: request arrived
+    prefill_replied: float  # prefill clock: HELLO frame sent
+    decode_replied: float  # decode clock: HELLO frame received
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Everything measured for one request (mode "overlap", "sequential" or "local").
+
+    In local mode (including a fallback after a failed peer) prefill_start/prefill_end are
+    decode-clock stamps of the local prefill; `layers` may then hold the pieces that arrived
+    before the peer failed: they are drawn, but no handoff figure is computed from them.
+    """
+
+    mode: str
+    prompt_tokens: int
+    n_layers: int
+    client_sent: float | None  # decode clock: request arrived at the decode node
+    prefill_start: float  # prefill clock (decode clock in local mode)
+    prefill_end: float  # prefill clock: last layer computed (decode clock in local mode)
+    layers: tuple[LayerTiming, ...]
+    clock: ClockSync | None  # None: local mode, or both nodes share one clock
+    first_token: float  # decode clock
+    token_times: tuple[float, ...]  # decode clock: each generated token, first included
+    client_ttft_s: float | None = None
+    fallback: str | None = None
+    decision: dict | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"Timeline.mode must be one of {MODES}, got {self.mode!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = [asdict(p) for p in self.layers]
+        d["token_times"] = list(self.token_times)
+        return {"schema": SCHEMA, **d}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Timeline:
+        _check_schema(d, SCHEMA)
+        try:
+            kwargs = {k: v for k, v in d.items() if k != "schema"}
+            clock = kwargs.get("clock")
+            kwargs["clock"] = ClockSync(**clock) if clock is not None else None
+            kwargs["layers"] = tuple(LayerTiming(**p) for p in kwargs["layers"])
+            kwargs["token_times"] = tuple(kwargs["token_times"])
+            return cls(**kwargs)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"bad {SCHEMA} timeline: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class HandoffReport:
+    """A Timeline plus its figures; every stamp here is on the decode clock (seconds)."""
+
+    timeline: Timeline
+    clock_offset_s: float  # prefill time p is decode time p - clock_offset_s
+    clock_uncertainty_s: float | None  # ± half the round trip; None without a ClockSync
+    t0: float  # time origin of the JSON and the renderings: client_sent, else prefill_start
+    pieces: tuple[LayerTiming, ...]  # timeline.layers with all four stamps on the decode clock
+    prefill_start: float
+    prefill_end: float
+    ttft_s: float | None
+    ttft_source: str | None  # "client" | "decode node"
+    itl_s: tuple[float, ...]
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+    itl_p99_s: float | None
+    decode_tokens_per_s: float | None
+    prefill_compute_s: float
+    prefill_tokens_per_s: float | None
+    kv_bytes: int
+    wire_time_s: float | None  # sum over pieces of received - sent
+    transfer_span_s: float | None  # first piece sent -> last piece received
+    achieved_gbps: float | None  # kv_bytes / transfer_span_s, decimal GB/s
+    layer_wire_s: float | None  # median over layers of the layer's received - sent
+    exposed_handoff_s: float | None  # last piece injected - prefill_end
+    handoff_target_s: float | None  # TARGET_FACTOR * layer_wire_s + TARGET_SLACK_S
+    hidden_fraction: float | None  # share of the wire intervals before prefill_end
+    prefill_to_injected_s: float | None  # prefill_start -> last piece injected
+
+    @property
+    def meets_handoff_target(self) -> bool | None:
+        if self.exposed_handoff_s is None or self.handoff_target_s is None:
+            return None
+        return self.exposed_handoff_s <= self.handoff_target_s
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    name: str
+    ttft_s: float | None
+    exposed_handoff_s: float | None
+    hidden_fraction: float | None
+    prefill_compute_s: float
+    prefill_to_injected_s: float | None
+    speedup_vs_local: float | None  # ttft_local / ttft_s
+    fallback: str | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The same request run several ways (`--compare`): overlap, sequential, local."""
+
+    reports: dict[str, HandoffReport]
+    rows: tuple[ComparisonRow, ...]
+    t_ideal_s: float | None  # pipelined lower bound of prefill_to_injected_s for "overlap"
+    overlap_efficiency: float | None
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def clock_offset(sync: ClockSync) -> tuple[float, float]:
+    """(offset, uncertainty), seconds: prefill time p is decode time p - offset, ± uncertainty."""
+    offset = (
+        (sync.prefill_received - sync.decode_sent) + (sync.prefill_replied - sync.decode_replied)
+    ) / 2
+    round_trip = (sync.decode_replied - sync.decode_sent) - (
+        sync.prefill_replied - sync.prefill_received
+    )
+    return offset, round_trip / 2
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile: the smallest sample with at least p% of samples <= it."""
+    if not 0 < p <= 100:
+        raise ValueError(f"percentile p must be in (0, 100], got {p}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(p * len(ordered) / 100)) - 1]
+
+
+def ideal_pipelined_time(
+    compute_per_layer: Sequence[float],
+    bytes_per_layer: Sequence[int],
+    link_bytes_per_s: float,
+    inject_per_layer: float = 0.0,
+) -> float:
+    """Pipelined lower bound, from prefill start to the last layer injected.
+
+    Layer l goes on the link once it is computed and the link has finished layer l-1; it is
+    injected once it has arrived and layer l-1 is injected.
+    """
+    if len(compute_per_layer) != len(bytes_per_layer):
+        raise ValueError(
+            f"{len(compute_per_layer)} compute times but {len(bytes_per_layer)} byte counts"
+        )
+    if link_bytes_per_s <= 0:
+        raise ValueError(f"link_bytes_per_s must be > 0, got {link_bytes_per_s}")
+    computed = link_free = injected = 0.0
+    for compute, nbytes in zip(compute_per_layer, bytes_per_layer, strict=True):
+        computed += compute
+        link_free = max(computed, link_free) + nbytes / link_bytes_per_s
+        injected = max(link_free, injected) + inject_per_layer
+    return injected
+
+
+def overlap_efficiency(t_seq: float, t_overlap: float, t_ideal: float) -> float | None:
+    """(T_seq - T_overlap) / (T_seq - T_ideal): 1 = all hideable transfer hidden, 0 = none."""
+    denominator = t_seq - t_ideal
+    return (t_seq - t_overlap) / denominator if denominator > 0 else None
+
+
+def _merge(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def hidden_fraction(intervals: Sequence[tuple[float, float]], cut: float) -> float | None:
+    """Share of the union of `intervals` that lies before `cut` (None if the union is empty)."""
+    merged = _merge(intervals)
+    total = sum(end - start for start, end in merged)
+    if total <= 0:
+        return None
+    return sum(max(0.0, min(end, cut) - start) for start, end in merged) / total
+
+
+def build_report(tl: Timeline) -> HandoffReport:
+    offset, uncertainty = clock_offset(tl.clock) if tl.clock else (0.0, None)
+    local = tl.mode == "local"
+    shift = 0.0 if local else offset
+    pieces = tuple(
+        replace(p, compute_done=p.compute_done - offset, sent=p.sent - offset) for p in tl.layers
+    )
+    prefill_start, prefill_end = tl.prefill_start - shift, tl.prefill_end - shift
+    if tl.client_ttft_s is not None:
+        ttft, ttft_source = tl.client_ttft_s, "client"
+    elif tl.client_sent is not None:
+        ttft, ttft_source = tl.first_token - tl.client_sent, "decode node"
+    else:
+        ttft, ttft_source = None, None
+    itl = tuple(b - a for a, b in pairwise(tl.token_times))
+    decode_span = sum(itl)
+    prefill_s = tl.prefill_end - tl.prefill_start
+    wire = span = gbps = layer_wire = exposed = target = hidden = to_injected = None
+    kv_bytes = sum(p.nbytes for p in pieces)
+    if pieces:
+        wire = sum(p.received - p.sent for p in pieces)
+        span = max(p.received for p in pieces) - min(p.sent for p in pieces)
+        gbps = kv_bytes / span / 1e9 if span > 0 else None
+        per_layer: dict[int, float] = {}
+        for p in pieces:
+            per_layer[p.layer] = per_layer.get(p.layer, 0.0) + (p.received - p.sent)
+        layer_wire = statistics.median(per_layer.values())
+        if not local:
+            last_injected = max(p.injected for p in pieces)
+            exposed = last_injected - prefill_end
+            target = TARGET_FACTOR * layer_wire + TARGET_SLACK_S
+            hidden = hidden_fraction([(p.sent, p.received) for p in pieces], prefill_end)
+            to_injected = last_injected - prefill_start
+    return HandoffReport(
+        timeline=tl,
+        clock_offset_s=offset,
+        clock_uncertainty_s=uncertainty,
+        t0=tl.client_sent if tl.client_sent is not None else prefill_start,
+        pieces=pieces,
+        prefill_start=prefill_start,
+        prefill_end=prefill_end,
+        ttft_s=ttft,
+        ttft_source=ttft_source,
+        itl_s=itl,
+        itl_p50_s=percentile(itl, 50),
+        itl_p95_s=percentile(itl, 95),
+        itl_p99_s=percentile(itl, 99),
+        decode_tokens_per_s=len(itl) / decode_span if decode_span > 0 else None,
+        prefill_compute_s=prefill_s,
+        prefill_tokens_per_s=tl.prompt_tokens / prefill_s if prefill_s > 0 else None,
+        kv_bytes=kv_bytes,
+        wire_time_s=wire,
+        transfer_span_s=span,
+        achieved_gbps=gbps,
+        layer_wire_s=layer_wire,
+        exposed_handoff_s=exposed,
+        handoff_target_s=target,
+        hidden_fraction=hidden,
+        prefill_to_injected_s=to_injected,
+    )
+
+
+def piece_starts(report: HandoffReport) -> list[tuple[float, float]]:
+    """(compute start, inject start) of each of `report.pieces`, decode clock.
+
+    A piece's compute starts when the previous piece (in compute order) was done, the first one
+    at the start of the time axis; its injection once it arrived and the previous injection ended.
+    """
+    pieces = report.pieces
+    compute_from, inject_from = [0.0] * len(pieces), [0.0] * len(pieces)
+    before = time_span(report)[0]
+    for i in sorted(range(len(pieces)), key=lambda i: pieces[i].compute_done):
+        compute_from[i], before = before, pieces[i].compute_done
+    before = -math.inf
+    for i in sorted(range(len(pieces)), key=lambda i: pieces[i].injected):
+        inject_from[i], before = max(pieces[i].received, before), pieces[i].injected
+    return list(zip(compute_from, inject_from, strict=True))
+
+
+def time_span(report: HandoffReport) -> tuple[float, float]:
+    """The timeline axis, decode clock: prefill start (or first piece) to last piece injected."""
+    pieces = report.pieces
+    start = min([report.prefill_start, *(p.compute_done for p in pieces)])
+    end = max([report.prefill_end, *(p.injected for p in pieces)])
+    return start, end
+
+
+def _measured_ideal(overlap: HandoffReport, link_bytes_per_s: float) -> float:
+    """T_ideal for the pieces of an overlap run, at a link rate measured elsewhere."""
+    starts = piece_starts(overlap)
+    compute = [p.compute_done - c for p, (c, _) in zip(overlap.pieces, starts, strict=True)]
+    inject = statistics.median(
+        p.injected - i for p, (_, i) in zip(overlap.pieces, starts, strict=True)
+    )
+    order = sorted(range(len(compute)), key=lambda i: overlap.pieces[i].compute_done)
+    return ideal_pipelined_time(
+        [compute[i] for i in order],
+        [overlap.pieces[i].nbytes for i in order],
+        link_bytes_per_s,
+        inject,
+    )
+
+
+def compare(reports: Mapping[str, HandoffReport]) -> Comparison:
+    """Side by side; speedups are relative to the "local" run when there is one."""
+    local = reports.get("local")
+    base = local.ttft_s if local else None
+    rows = tuple(
+        ComparisonRow(
+            name=name,
+            ttft_s=r.ttft_s,
+            exposed_handoff_s=r.exposed_handoff_s,
+            hidden_fraction=r.hidden_fraction,
+            prefill_compute_s=r.prefill_compute_s,
+            prefill_to_injected_s=r.prefill_to_injected_s,
+            speedup_vs_local=base / r.ttft_s if base and r.ttft_s else None,
+            fallback=r.timeline.fallback,
+        )
+        for name, r in reports.items()
+    )
+    t_ideal = efficiency = None
+    ovl, seq = reports.get("overlap"), reports.get("sequential")
+    # A sequential run sends back to back, so its achieved rate is the link's rate.
+    if ovl and seq and ovl.pieces and ovl.prefill_to_injected_s is not None and seq.achieved_gbps:
+        t_ideal = _measured_ideal(ovl, seq.achieved_gbps * 1e9)
+        if seq.prefill_to_injected_s is not None:
+            efficiency = overlap_efficiency(
+                seq.prefill_to_injected_s, ovl.prefill_to_injected_s, t_ideal
+            )
+    return Comparison(dict(reports), rows, t_ideal, efficiency)
+
+
+# ---- JSON -------------------------------------------------------------------------------------
+
+# Fields of HandoffReport that are not figures (they are the timeline and its mapped stamps).
+_NOT_FIGURES = {"timeline", "t0", "pieces", "prefill_start", "prefill_end", "itl_s"}
+_STAMPS = ("compute_done", "sent", "received", "injected")  # LayerTiming's clock stamps
+
+
+def to_json(obj: HandoffReport | Comparison) -> dict[str, Any]:
+    """The documented JSON document (docs/metrics.md); times are seconds since `t0`."""
+    if isinstance(obj, Comparison):
+        return {
+            "schema": COMPARISON_SCHEMA,
+            "rows": [asdict(row) for row in obj.rows],
+            "t_ideal_s": obj.t_ideal_s,
+            "overlap_efficiency": obj.overlap_efficiency,
+            "reports": {name: to_json(r) for name, r in obj.reports.items()},
+        }
+    tl = obj.timeline
+
+    def rel(t: float) -> float:
+        return t - obj.t0
+
+    return {
+        "schema": SCHEMA,
+        "mode": tl.mode,
+        "prompt_tokens": tl.prompt_tokens,
+        "n_layers": tl.n_layers,
+        "generated_tokens": len(tl.token_times),
+        "time_origin": "client_sent" if tl.client_sent is not None else "prefill_start",
+        **{f.name: getattr(obj, f.name) for f in fields(obj) if f.name not in _NOT_FIGURES},
+        "meets_handoff_target": obj.meets_handoff_target,
+        "fallback": tl.fallback,
+        "decision": tl.decision,
+        "events": {
+            "prefill_start": rel(obj.prefill_start),
+            "prefill_end": rel(obj.prefill_end),
+            "first_token": rel(tl.first_token),
+        },
+        "layers": [{**asdict(p), **{k: rel(getattr(p, k)) for k in _STAMPS}} for p in obj.pieces],
+        "token_times": [rel(t) for t in tl.token_times],
+        "timeline": tl.to_dict(),
+    }
+
+
+def _check_schema(d: Mapping[str, Any], expected: str) -> None:
+    if d.get("schema") != expected:
+        raise ValueError(f"expected a {expected!r} document, got schema {d.get('schema')!r}")
+
+
+def _read(src: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
+    if isinstance(src, Mapping):
+        return src
+    text = Path(src).read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        # Captured `--json` stdout: the last non-empty line is the document.
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{src}: expected a JSON report (or one as last line)") from exc
+
+
+def load_report(src: str | os.PathLike | Mapping[str, Any]) -> HandoffReport:
+    """A report from to_json() output or a bare Timeline.to_dict(), as a dict or a file."""
+    d = _read(src)
+    if d.get("schema") == COMPARISON_SCHEMA:
+        raise ValueError(f"{COMPARISON_SCHEMA!r} document: load it with load_comparison()")
+    return build_report(Timeline.from_dict(d.get("timeline", d)))
+
+
+def load_comparison(src: str | os.PathLike | Mapping[str, Any]) -> Comparison:
+    d = _read(src)
+    _check_schema(d, COMPARISON_SCHEMA)
+    return compare({name: load_report(r) for name, r in d["reports"].items()})
+
+
+# ---- terminal ---------------------------------------------------------------------------------
+
+
+def fmt_ms(s: float | None, digits: int = 1) -> str:
+    return "—" if s is None else f"{s * 1e3:,.{digits}f} ms"
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _render(renderable: Any, width: int) -> str:
+    console = Console(
+        file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False
+    )
+    console.print(renderable)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().strip("\n").splitlines())
+
+
+def figure_pairs(r: HandoffReport) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(request figures, handoff figures) as (name, formatted value) pairs, for tables."""
+    itl = " / ".join(_fmt(x and x * 1e3, ",.1f") for x in (r.itl_p50_s, r.itl_p95_s, r.itl_p99_s))
+    tokens = len(r.timeline.token_times)
+    unc = "" if r.clock_uncertainty_s is None else f" ± {fmt_ms(r.clock_uncertainty_s, 2)}"
+    request = [
+        ("TTFT", f"{fmt_ms(r.ttft_s)} ({r.ttft_source or 'not measured'})"),
+        ("prefill compute", f"{fmt_ms(r.prefill_compute_s)}"),
+        ("prefill speed", _fmt(r.prefill_tokens_per_s, ",.0f", " tok/s")),
+        ("decode", f"{_fmt(r.decode_tokens_per_s, ',.1f', ' tok/s')}, {tokens} tokens"),
+        ("ITL p50/p95/p99", f"{itl} ms"),
+        ("clock offset", f"{r.clock_offset_s:+.4f} s{unc}"),
+    ]
+    if not r.pieces:
+        return request, [("KV handoff", "none (local prefill)")]
+    met = {True: "met", False: "missed", None: ""}[r.meets_handoff_target]
+    target = f" (≤ {fmt_ms(r.handoff_target_s)}: {met})" if met else ""
+    handoff = [
+        ("KV bytes", fmt_bytes(r.kv_bytes)),
+        ("wire time", f"{fmt_ms(r.wire_time_s)} (sum)"),
+        ("transfer span", f"{fmt_ms(r.transfer_span_s)}, {_fmt(r.achieved_gbps, '.2f', ' GB/s')}"),
+        ("one layer on wire", f"{fmt_ms(r.layer_wire_s)} (median)"),
+        ("exposed handoff", fmt_ms(r.exposed_handoff_s) + target),
+        ("hidden fraction", _fmt(r.hidden_fraction, ".1%")),
+    ]
+    return request, handoff
+
+
+def decision_text(decision: Mapping[str, Any]) -> str:
+    return "; ".join(
+        f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in decision.items()
+    )
+
+
+def _notes(tl: Timeline, width: int) -> list[str]:
+    notes = []
+    if tl.fallback:
+        notes.append(textwrap.fill(f"fallback: {tl.fallback}", width, subsequent_indent="  "))
+    if tl.decision:
+        notes.append(
+            textwrap.fill(f"decision: {decision_text(tl.decision)}", width, subsequent_indent="  ")
+        )
+    return notes
+
+
+def render_terminal(report: HandoffReport, *, width: int = 100) -> str:
+    """Figures table, fallback/decision notes and the per-layer text timeline."""
+    tl = report.timeline
+    table = Table(
+        title=f"exo-split · {tl.mode} · {tl.prompt_tokens:,} prompt tokens · {tl.n_layers} layers",
+        title_justify="left",
+        box=None,
+        show_header=False,
+    )
+    for _ in range(2):
+        table.add_column(style="bold", no_wrap=True)
+        table.add_column()
+    left, right = figure_pairs(report)
+    for i in range(max(len(left), len(right))):
+        cells = [
+            *(left[i] if i < len(left) else ("", "")),
+            *(right[i] if i < len(right) else ("", "")),
+        ]
+        table.add_row(*(Text(c) for c in cells))
+    return "\n".join(
+        [_render(table, width), *_notes(tl, width), render_text_timeline(report, width=width)]
+    )
+
+
+MAX_TEXT_ROWS = 40
+COMPUTE, QUEUED, WIRE, INJECT, PREFILL_DONE = "█", "·", "─", "▪", "┆"
+
+
+def render_text_timeline(report: HandoffReport, *, width: int = 100) -> str:
+    """One row per layer (buckets of layers past MAX_TEXT_ROWS) on a shared time axis."""
+    pieces = report.pieces
+    if not pieces:
+        return "timeline: no KV pieces (the decode node prefilled locally)"
+    n_layers = max(report.timeline.n_layers, max(p.layer for p in pieces) + 1)
+    per_row = math.ceil(n_layers / MAX_TEXT_ROWS)
+    n_rows = math.ceil(n_layers / per_row)
+    labels = [
+        f"L{i * per_row}" + (f"-{min(n_layers, (i + 1) * per_row) - 1}" if per_row > 1 else "")
+        for i in range(n_rows)
+    ]
+    label_w = max(len(s) for s in labels) + 1
+    bar_w = width - label_w
+    start, end = time_span(report)
+    scale = bar_w / (end - start) if end > start else 0.0
+    rows = [[" "] * bar_w for _ in range(n_rows)]
+
+    def draw(row: list[str], a: float, b: float, glyph: str) -> None:
+        # Rounding both ends makes back-to-back intervals tile without sharing a cell.
+        first = min(bar_w - 1, max(0, round((a - start) * scale)))
+        last = min(bar_w, max(first + 1, round((b - start) * scale)))
+        row[first:last] = glyph * (last - first)
+
+    starts = piece_starts(report)
+    segments = (  # drawn in this order: later glyphs win where they share a cell
+        (QUEUED, lambda p, c, i: (p.compute_done, p.sent)),
+        (COMPUTE, lambda p, c, i: (c, p.compute_done)),
+        (WIRE, lambda p, c, i: (p.sent, p.received)),
+        (INJECT, lambda p, c, i: (i, p.injected)),
+    )
+    for glyph, interval in segments:
+        for p, (compute_from, inject_from) in zip(pieces, starts, strict=True):
+            draw(rows[p.layer // per_row], *interval(p, compute_from, inject_from), glyph)
+    cut = min(bar_w - 1, max(0, math.floor((report.prefill_end - start) * scale)))
+    for row in rows:
+        if row[cut] == " ":
+            row[cut] = PREFILL_DONE
+    lines = [
+        label.ljust(label_w) + "".join(row).rstrip()
+        for label, row in zip(labels, rows, strict=True)
+    ]
+    lines += _axis(label_w, bar_w, start - report.t0, end - report.t0, cut)
+    origin = "request arrived" if report.timeline.client_sent is not None else "prefill start"
+    legend = [
+        f"{COMPUTE} compute  {QUEUED} computed→sent  {WIRE} sent→received  {INJECT} inject  "
+        f"{PREFILL_DONE} prefill done",
+        f"axis: ms since {origin}; 1 column = {(end - start) / bar_w * 1e3:.3g} ms"
+        + (f"; {per_row} layers per row" if per_row > 1 else ""),
+    ]
+    return "\n".join([*lines, *(textwrap.fill(s, width) for s in legend)])
+
+
+def _axis(label_w: int, bar_w: int, t_start: float, t_end: float, mark: int) -> list[str]:
+    """A rule with five ticks labelled in ms (at the middle of their column), `mark` on it."""
+    rule, text = ["─"] * bar_w, [" "] * bar_w
+    for col in (round(i * (bar_w - 1) / 4) for i in range(5)):
+        rule[col] = "┬"
+        label = f"{(t_start + (t_end - t_start) * (col + 0.5) / bar_w) * 1e3:,.0f}"
+        at = min(max(0, col - len(label) // 2), bar_w - len(label))
+        text[at : at + len(label)] = label
+    rule[mark] = PREFILL_DONE
+    return [" " * label_w + "".join(rule), " " * label_w + "".join(text).rstrip()]
+
+
+def render_comparison(comparison: Comparison, *, width: int = 100) -> str:
+    table = Table(title="exo-split · compare", box=box.SIMPLE_HEAD)
+    for name in ("run", "TTFT", "speedup vs local", "exposed handoff", "hidden", "prefill"):
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for row in comparison.rows:
+        table.add_row(
+            Text(row.name),
+            fmt_ms(row.ttft_s),
+            _fmt(row.speedup_vs_local, ".2f", "×"),
+            fmt_ms(row.exposed_handoff_s),
+            _fmt(row.hidden_fraction, ".1%"),
+            fmt_ms(row.prefill_compute_s),
+        )
+    lines = [_render(table, width)]
+    if comparison.t_ideal_s is not None:
+        lines.append(
+            f"overlap efficiency {_fmt(comparison.overlap_efficiency, '.1%')}"
+            f" (T_ideal {fmt_ms(comparison.t_ideal_s)}, prefill start → last layer injected)"
+        )
+    for row in comparison.rows:
+        if row.fallback:
+            lines.append(textwrap.fill(f"{row.name} fallback: {row.fallback}", width))
+    return "\n".join(lines)
