@@ -36,6 +36,7 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     for w in words(vocab_size - len(SPECIALS)):
         vocab[w] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.add_special_tokens(list(SPECIALS))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]

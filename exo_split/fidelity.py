@@ -1,0 +1,389 @@
+"""The fidelity self-test behind `exo-split check`: does a split give the tokens a single
+machine would?
+
+For a few built-in prompts, every installed pairing (torch->mlx, mlx->torch, torch->torch,
+mlx->mlx) generates greedily through the real handoff and is compared with
+- the decode side's backend run alone (prefill and decode on it), and
+- transformers' `generate()` on the same checkpoint, on the CPU in the check's dtype (the
+  independent reference), plus a teacher-forced pass: the reference sequence is fed through the pairing
+  (prefill on A, inject into B, B.step over the reference tokens) and its logits are
+  compared with the reference's.
+
+The pass bar (DESIGN §3): in float32 the greedy tokens are identical; in float16/bfloat16
+kernels differ by about one ulp and sequences can part at near-ties, so the bar is
+teacher-forced top-1 agreement >= 90%. The reference runs in the check's dtype, not
+float32: against float32, bfloat16 weight rounding alone costs ~10% top-1 on small models
+even for torch->torch, which says nothing about the split. No printing here: `run_check` returns a CheckReport
+and the CLI renders it. torch/transformers are imported lazily, only for the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_split.backends import BACKENDS, Backend, load_backend
+from exo_split.errors import BadCheckpoint, ExoSplitError
+from exo_split.handoff import check_request, split_generate
+from exo_split.sampling import GREEDY
+from exo_split.spec import ModelSpec, load_spec, require_compatible
+from exo_split.tokenizer import TextCodec
+
+log = logging.getLogger(__name__)
+
+PROMPT_LENGTHS = (1, 40, 300)
+PAIRINGS = (("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx"))
+HALF_TOP1_BAR = 0.90
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    """One pairing on one prompt."""
+
+    prompt_tokens: int
+    tokens: tuple[int, ...]  # the pairing's greedy tokens
+    baseline_tokens: tuple[int, ...]  # the decode side's backend alone
+    reference_tokens: tuple[int, ...] | None  # transformers generate(); None: not installed
+    mismatch_vs_baseline: int | None  # first differing position, None if identical
+    mismatch_vs_reference: int | None
+    top1_agreement: float | None  # teacher-forced, vs the reference logits
+    max_logit_diff: float | None  # teacher-forced, all positions
+    first_logit_diff: float | None  # the prefill side's logits for generated token 0
+
+
+@dataclass(frozen=True)
+class PairingResult:
+    prefill: str
+    decode: str
+    prompts: tuple[PromptResult, ...]
+    passed: bool
+    reason: str | None  # why it failed, None when it passed
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill}->{self.decode}"
+
+    @property
+    def agrees_with_baseline(self) -> bool:
+        return all(p.mismatch_vs_baseline is None for p in self.prompts)
+
+    @property
+    def agrees_with_reference(self) -> bool | None:
+        if any(p.reference_tokens is None for p in self.prompts):
+            return None
+        return all(p.mismatch_vs_reference is None for p in self.prompts)
+
+    @property
+    def top1_agreement(self) -> float | None:
+        """Over all teacher-forced positions of all prompts."""
+        scored = [(p.top1_agreement, len(p.tokens)) for p in self.prompts]
+        if any(a is None for a, _ in scored):
+            return None
+        return sum(a * n for a, n in scored) / max(1, sum(n for _, n in scored))
+
+    @property
+    def max_logit_diff(self) -> float | None:
+        diffs = [p.max_logit_diff for p in self.prompts]
+        return None if None in diffs else max(diffs)
+
+    @property
+    def first_logit_diff(self) -> float | None:
+        diffs = [p.first_logit_diff for p in self.prompts]
+        return None if None in diffs else max(diffs)
+
+    def first_mismatch(self, against: str) -> tuple[int, int] | None:
+        """(prompt tokens, position) of the first disagreement with "baseline" or "reference"."""
+        for p in self.prompts:
+            pos = p.mismatch_vs_baseline if against == "baseline" else p.mismatch_vs_reference
+            if pos is not None:
+                return p.prompt_tokens, pos
+        return None
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    model_dir: str
+    decode_model_dir: str | None
+    dtype: str
+    max_tokens: int
+    bar: str  # the pass bar used, in words
+    prompt_lengths: tuple[int, ...]
+    pairings: tuple[PairingResult, ...]
+    skipped: tuple[str, ...]  # "mlx: <why>" for each backend that could not run
+    reference: str | None  # what the reference was, None when there was none
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.pairings) and all(p.passed for p in self.pairings)
+
+    @property
+    def failing(self) -> list[PairingResult]:
+        return [p for p in self.pairings if not p.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["passed"] = self.passed
+        for d, p in zip(out["pairings"], self.pairings, strict=True):
+            d |= {
+                "name": p.name,
+                "agrees_with_baseline": p.agrees_with_baseline,
+                "agrees_with_reference": p.agrees_with_reference,
+                "top1_agreement": p.top1_agreement,
+                "max_logit_diff": p.max_logit_diff,
+                "first_logit_diff": p.first_logit_diff,
+            }
+        return out
+
+
+def prompt_lengths(spec: ModelSpec, max_tokens: int) -> tuple[int, ...]:
+    """PROMPT_LENGTHS, capped to what the context (and a sliding window) can hold."""
+    check_request(spec, 1, max_tokens)
+    room = spec.max_position_embeddings - max_tokens
+    if spec.sliding_window:
+        room = min(room, spec.sliding_window - max_tokens)
+    return tuple(sorted({min(n, room) for n in PROMPT_LENGTHS}))
+
+
+def prompt_ids(n: int, vocab_size: int) -> list[int]:
+    """A deterministic prompt of n token ids in range (same n, same ids, every run)."""
+    return np.random.default_rng(n).integers(0, vocab_size, n).tolist()
+
+
+def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where a and b differ (a length difference counts), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def teacher_forced_logits(
+    prefill: Backend, decode: Backend, token_ids: Sequence[int], forced: Sequence[int]
+) -> np.ndarray:
+    """Logits [len(forced), vocab] predicting each forced token: row 0 from `prefill`'s
+    prefill, then `decode` steps over forced[:-1] from the handed-over cache."""
+    capacity = len(token_ids) + len(forced)
+    if prefill is decode:
+        done = prefill.prefill(token_ids, capacity=capacity)
+        cache = done.cache
+    else:
+        cache = decode.new_cache(capacity)
+        done = prefill.prefill(
+            token_ids, on_layer=lambda kv: decode.inject(cache, kv.astype(decode.dtype))
+        )
+    rows = [done.logits]
+    rows += [decode.step(cache, t) for t in forced[:-1]]
+    return np.stack(rows).astype(np.float32)
+
+
+class Reference:
+    """transformers' AutoModelForCausalLM on the CPU, loaded on its own."""
+
+    def __init__(self, model_dir: str | Path, eos_ids: frozenset[int], dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self._torch = torch
+        self.eos_ids = sorted(eos_ids) or None
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=getattr(torch, dtype)
+            ).eval()
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise BadCheckpoint(f"transformers cannot load {model_dir}: {exc}") from exc
+        # A clean generation config: a checkpoint's own (repetition_penalty, top_k, ...)
+        # would change what greedy means.
+        self.model.generation_config = GenerationConfig(
+            do_sample=False, eos_token_id=self.eos_ids, pad_token_id=0
+        )
+
+    def generate(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        torch = self._torch
+        ids = torch.tensor([list(token_ids)])
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens
+            )
+        return out[0, len(token_ids) :].tolist()
+
+    def teacher_forced_logits(self, token_ids: Sequence[int], forced: Sequence[int]) -> np.ndarray:
+        """float32 logits [len(forced), vocab] predicting each forced token, in one pass."""
+        torch = self._torch
+        ids = torch.tensor([list(token_ids) + list(forced[:-1])])
+        with torch.inference_mode():
+            out = self.model(ids, logits_to_keep=len(forced))
+        return out.logits[0].float().numpy()
+
+
+def _load_reference(
+    model_dir, eos_ids, dtype: str, progress: Progress
+) -> tuple[Reference | None, str]:
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError as exc:
+        return None, f"transformers is not installed ({exc.name}): no independent reference"
+    progress(f"loading the transformers reference ({dtype}, cpu) ...")
+    note = f"transformers {transformers.__version__} generate(), {dtype}, cpu"
+    return Reference(model_dir, eos_ids, dtype), note
+
+
+def _load_side(model_dir, dtype: str, progress: Progress) -> tuple[dict[str, Backend], list[str]]:
+    """Every installed backend on `model_dir`; the ones that are not installed, with why."""
+    loaded, skipped = {}, []
+    for name in BACKENDS:
+        progress(f"loading {name} backend ({dtype}) from {model_dir} ...")
+        try:
+            loaded[name] = load_backend(name, model_dir, dtype=dtype)
+        except BadCheckpoint:
+            raise
+        except ExoSplitError as exc:  # load_backend's "not installed"
+            skipped.append(f"{name}: {exc}")
+            progress(f"skipping {name}: {exc}")
+    return loaded, skipped
+
+
+def _verdict(results: Sequence[PromptResult], dtype: str) -> str | None:
+    """Why a pairing fails the bar, or None when it passes."""
+    if dtype == "float32":
+        for p in results:
+            if p.mismatch_vs_reference is not None:
+                return f"tokens differ from transformers (prompt {p.prompt_tokens}, position {p.mismatch_vs_reference})"
+            if p.mismatch_vs_baseline is not None:
+                return f"tokens differ from the decode backend alone (prompt {p.prompt_tokens}, position {p.mismatch_vs_baseline})"
+        return None
+    scored = [p for p in results if p.top1_agreement is not None]
+    if not scored:  # no reference: all we can compare with is the decode backend alone
+        bad = [p for p in results if p.mismatch_vs_baseline is not None]
+        return (
+            f"tokens differ from the decode backend alone (prompt {bad[0].prompt_tokens})"
+            if bad
+            else None
+        )
+    n = sum(len(p.tokens) for p in scored)
+    top1 = sum(p.top1_agreement * len(p.tokens) for p in scored) / max(1, n)
+    if top1 < HALF_TOP1_BAR:
+        return f"teacher-forced top-1 agreement {top1:.0%} < {HALF_TOP1_BAR:.0%}"
+    return None
+
+
+def _bar(dtype: str, has_reference: bool) -> str:
+    if dtype == "float32":
+        what = "transformers generate() and " if has_reference else ""
+        return f"float32: greedy tokens identical to {what}the decode backend alone"
+    if has_reference:
+        return (
+            f"{dtype}: teacher-forced top-1 agreement with transformers ({dtype}) >= "
+            f"{HALF_TOP1_BAR:.0%} (kernels differ by ~1 ulp, greedy sequences may part at near-ties)"
+        )
+    return f"{dtype}: greedy tokens identical to the decode backend alone (no reference installed)"
+
+
+def run_check(
+    model_dir: str | Path,
+    decode_model_dir: str | Path | None = None,
+    *,
+    dtype: str = "float32",
+    max_tokens: int = 16,
+    progress: Progress | None = None,
+) -> CheckReport:
+    """Run every installed pairing on the built-in prompts and compare (see module doc).
+
+    Raises IncompatiblePeer when `decode_model_dir` holds a different model (config), and
+    BadCheckpoint for a directory that cannot be loaded.
+    """
+    say = progress or log.info
+    spec = load_spec(model_dir)
+    if decode_model_dir is not None:
+        require_compatible(spec, load_spec(decode_model_dir), what="the decode model")
+    lengths = prompt_lengths(spec, max_tokens)
+    eos_ids = TextCodec(model_dir).eos_ids
+
+    side_a, skipped = _load_side(model_dir, dtype, say)
+    side_b = side_a
+    if decode_model_dir is not None:
+        side_b, skipped_b = _load_side(decode_model_dir, dtype, say)
+        skipped += [f"{s} (decode side)" for s in skipped_b]
+    pairings = [(a, b) for a, b in PAIRINGS if a in side_a and b in side_b]
+    if not pairings:
+        raise ExoSplitError(
+            "no backend could run: " + "; ".join(skipped),
+            hint="pip install 'exo-split[torch]' and/or 'exo-split[mlx]'",
+        )
+    reference, ref_note = _load_reference(model_dir, eos_ids, dtype, say)
+
+    runs: dict[tuple[int, int, int], list[int]] = {}
+
+    def greedy(p: Backend, d: Backend, ids: list[int]) -> list[int]:
+        key = (id(p), id(d), len(ids))
+        if key not in runs:
+            runs[key] = split_generate(
+                p, d, ids, max_tokens=max_tokens, sampling=GREEDY, stop_ids=eos_ids
+            ).tokens
+        return runs[key]
+
+    per_pairing: dict[tuple[str, str], list[PromptResult]] = {pair: [] for pair in pairings}
+    for n in lengths:
+        ids = prompt_ids(n, spec.vocab_size)
+        ref_tokens = ref_logits = None
+        if reference is not None:
+            say(f"prompt of {n} tokens: transformers reference ...")
+            ref_tokens = reference.generate(ids, max_tokens)
+            ref_logits = reference.teacher_forced_logits(ids, ref_tokens)
+        for a, b in pairings:
+            say(f"prompt of {n} tokens: {a}->{b} ...")
+            prefill, decode = side_a[a], side_b[b]
+            tokens = greedy(prefill, decode, ids)
+            baseline = greedy(side_b[b], side_b[b], ids)
+            top1 = max_diff = first_diff = None
+            if ref_logits is not None:
+                logits = teacher_forced_logits(prefill, decode, ids, ref_tokens)
+                diff = np.abs(logits - ref_logits)
+                top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).mean())
+                max_diff, first_diff = float(diff.max()), float(diff[0].max())
+            per_pairing[a, b].append(
+                PromptResult(
+                    prompt_tokens=n,
+                    tokens=tuple(tokens),
+                    baseline_tokens=tuple(baseline),
+                    reference_tokens=None if ref_tokens is None else tuple(ref_tokens),
+                    mismatch_vs_baseline=first_mismatch(tokens, baseline),
+                    mismatch_vs_reference=None
+                    if ref_tokens is None
+                    else first_mismatch(tokens, ref_tokens),
+                    top1_agreement=top1,
+                    max_logit_diff=max_diff,
+                    first_logit_diff=first_diff,
+                )
+            )
+
+    results = []
+    for (a, b), prompts in per_pairing.items():
+        reason = _verdict(prompts, dtype)
+        results.append(PairingResult(a, b, tuple(prompts), reason is None, reason))
+    notes = [] if reference is not None else [ref_note]
+    if decode_model_dir is not None:
+        notes.append(
+            "two sides: prefill backends load --model, decode backends --decode-model; the "
+            "reference runs --model, the baseline (decode backend alone) --decode-model"
+        )
+    return CheckReport(
+        model_dir=str(model_dir),
+        decode_model_dir=None if decode_model_dir is None else str(decode_model_dir),
+        dtype=dtype,
+        max_tokens=max_tokens,
+        bar=_bar(dtype, reference is not None),
+        prompt_lengths=lengths,
+        pairings=tuple(results),
+        skipped=tuple(skipped),
+        reference=ref_note if reference is not None else None,
+        notes=tuple(notes),
+    )
