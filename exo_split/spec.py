@@ -183,7 +183,7 @@ def require_compatible(local: ModelSpec, remote: ModelSpec, *, what: str = "peer
     diff = differences(local, remote)
     if diff:
         raise IncompatiblePeer(
-            f"{what} runs a different model (fingerprint {remote.fingerprint} != {local.fingerprint}): "
-            + "; ".join(diff),
+            f"{what} runs a different model (fingerprint here {local.fingerprint}, "
+            f"{what} {remote.fingerprint}); differing fields (here != {what}): " + "; ".join(diff),
             hint="load the same checkpoint (same config.json) on both machines",
         )

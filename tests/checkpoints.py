@@ -35,8 +35,8 @@ _COMMON = dict(
 
 FAMILIES = {
     # Llama, GQA, llama3 rope scaling, non-default theta, untied.
-    "llama": lambda: LlamaConfig(
-        **_COMMON,
+    "llama": lambda **kw: LlamaConfig(
+        **{**_COMMON, **kw},
         num_key_value_heads=2,
         tie_word_embeddings=False,
         rope_parameters={
@@ -49,23 +49,23 @@ FAMILIES = {
         },
     ),
     # Mistral, MQA (one KV head), tied embeddings.
-    "mistral": lambda: MistralConfig(
-        **_COMMON,
+    "mistral": lambda **kw: MistralConfig(
+        **{**_COMMON, **kw},
         num_key_value_heads=1,
         tie_word_embeddings=True,
         sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
     ),
     # Qwen2: q/k/v biases, GQA, untied.
-    "qwen2": lambda: Qwen2Config(
-        **_COMMON,
+    "qwen2": lambda **kw: Qwen2Config(
+        **{**_COMMON, **kw},
         num_key_value_heads=2,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # Qwen3: q/k norms, explicit head_dim != hidden/heads, MQA, tied.
-    "qwen3": lambda: Qwen3Config(
-        **_COMMON,
+    "qwen3": lambda **kw: Qwen3Config(
+        **{**_COMMON, **kw},
         num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=True,
@@ -75,9 +75,7 @@ FAMILIES = {
 
 
 def build(out_dir: Path, family: str, *, seed: int = 0, std: float = 0.2, **overrides) -> Path:
-    config = FAMILIES[family]()
-    for k, v in overrides.items():
-        setattr(config, k, v)
+    config = FAMILIES[family](**overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

@@ -1,0 +1,352 @@
+"""The decode side of a split: pull the KV from a prefill peer, inject each layer as it lands,
+decode, and account for every moment (the Timeline of report.py).
+
+Reading the stream and injecting run as two tasks joined by a queue, so a layer is received
+while the previous one is being converted and written into the cache. All backend work runs
+on the node's single compute thread. If the peer fails before END (dies, stalls, sends
+garbage, runs another model) the partial KV is discarded and the prompt prefilled locally,
+unless the request says `fallback: none`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from exo_split.backends.base import Backend
+from exo_split.errors import (
+    AuthError,
+    ExoSplitError,
+    IncompatiblePeer,
+    PeerUnavailable,
+    ProtocolError,
+)
+from exo_split.handoff import check_request
+from exo_split.kv import LayerKV
+from exo_split.prefill import PrefillRequest
+from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
+from exo_split.sampling import Sampling, sample
+from exo_split.spec import ModelSpec, require_compatible
+from exo_split.tokenizer import TextCodec, TextStream
+from exo_split.transport import wire
+from exo_split.transport.client import Timeouts, prefill_frames
+
+log = logging.getLogger(__name__)
+clock = time.perf_counter
+Emit = Callable[[dict], Awaitable[None]]
+PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """The body of POST /v1/generate."""
+
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)
+    prefill_peer: str | None = None  # "http://host:port"; None: the node's choice
+    prefill: str = "auto"  # auto | remote | local
+    overlap: bool = True
+    chunk: int | None = None
+    fallback: str = "local"  # local | none
+
+    @classmethod
+    def from_json(cls, body: Any) -> GenerateRequest:
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        prompt, ids = body.get("prompt"), body.get("token_ids")
+        if (prompt is None) == (ids is None):
+            raise ValueError("give exactly one of prompt (text) or token_ids")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        if ids is not None and not (
+            isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)
+        ):
+            raise ValueError("token_ids must be a list of non-negative integers")
+        max_tokens = body.get("max_tokens", 64)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        prefill = body.get("prefill", "auto")
+        if prefill not in ("auto", "remote", "local"):
+            raise ValueError(f"prefill must be auto, remote or local, got {prefill!r}")
+        fallback = body.get("fallback", "local")
+        if fallback not in ("local", "none"):
+            raise ValueError(f"fallback must be local or none, got {fallback!r}")
+        chunk = body.get("chunk")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        return cls(
+            prompt=prompt,
+            token_ids=tuple(ids) if ids is not None else None,
+            max_tokens=max_tokens,
+            sampling=Sampling.from_dict(body.get("sampling")),
+            prefill_peer=body.get("prefill_peer") or None,
+            prefill=prefill,
+            overlap=bool(body.get("overlap", True)),
+            chunk=chunk,
+            fallback=fallback,
+        )
+
+
+@dataclass
+class _Remote:
+    """What a remote prefill delivered (or how far it got)."""
+
+    first_token: int | None = None
+    first_token_at: float | None = None
+    hello: dict | None = None
+    hello_at: float | None = None
+    sent_at: float = 0.0
+    end: dict | None = None
+    received: list[tuple[LayerKV, float]] = field(default_factory=list)
+    injected: list[float] = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        backend: Backend,
+        codec: TextCodec,
+        executor: Executor,
+        *,
+        token: str | None,
+        timeouts: Timeouts,
+        session: Callable[[], aiohttp.ClientSession],
+        choose_peer: Callable[[GenerateRequest, int], Awaitable[tuple[str | None, dict | None]]],
+    ):
+        self.backend = backend
+        self.spec: ModelSpec = backend.spec
+        self.codec = codec
+        self.executor = executor
+        self.token = token
+        self.timeouts = timeouts
+        self.session = session
+        self.choose_peer = choose_peer
+
+    async def _run(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        ids = list(req.token_ids) if req.token_ids is not None else self.codec.tokenize(req.prompt)
+        bad = [t for t in ids if t >= self.spec.vocab_size]
+        if bad:
+            raise ExoSplitError(
+                f"token id {bad[0]} is outside the vocabulary ({self.spec.vocab_size})"
+            )
+        check_request(self.spec, len(ids), req.max_tokens)
+        return ids
+
+    async def generate(self, req: GenerateRequest, emit: Emit, *, arrived: float) -> dict:
+        """Run one request, emitting token events; returns the final `done` event."""
+        ids = self.tokenize(req)
+        capacity = len(ids) + req.max_tokens
+        stream = TextStream(self.codec)
+        tokens: list[int] = []
+        times: list[float] = []
+
+        async def emit_token(token: int) -> None:
+            tokens.append(token)
+            times.append(clock())
+            await emit({"type": "token", "id": token, "text": stream.push(token)})
+
+        peer, decision = await self.choose_peer(req, len(ids))
+        remote, fallback, cache = None, None, None
+        if peer is not None:
+            remote = _Remote()
+            try:
+                cache = await self._remote_prefill(
+                    peer, req, ids, capacity, remote, emit, emit_token
+                )
+            except PEER_FAILURES as exc:
+                if req.fallback == "none":
+                    raise
+                fallback = f"local prefill: {exc}"
+                log.warning("prefill peer failed, prefilling locally: %s", exc)
+                await emit({"type": "fallback", "reason": str(exc)})
+        local_start = clock()
+        if cache is None:
+            done = await self._run(self.backend.prefill, ids, chunk=req.chunk, capacity=capacity)
+            cache = done.cache
+            if not tokens:
+                await emit_token(sample(done.logits, req.sampling, 0)[0])
+        local_end = clock()
+        token = tokens[0]
+        for step in range(1, req.max_tokens):
+            if token in self.codec.eos_ids:
+                break
+            logits = await self._run(self.backend.step, cache, token)
+            token = sample(logits, req.sampling, step)[0]
+            await emit_token(token)
+        del cache
+        timeline = self._timeline(
+            ids, remote, fallback, decision, arrived, (local_start, local_end), times, req
+        )
+        report = to_json(build_report(timeline))
+        return {
+            "type": "done",
+            "tokens": tokens,
+            "text": self.codec.detokenize(tokens),
+            "prompt_tokens": len(ids),
+            "report": report,
+        }
+
+    async def _remote_prefill(self, peer, req, ids, capacity, remote: _Remote, emit, emit_token):
+        """Pull and inject; returns the filled cache. Raises one of PEER_FAILURES."""
+        cache = await self._run(self.backend.new_cache, capacity)
+        body = PrefillRequest(
+            request_id=uuid.uuid4().hex[:16],
+            token_ids=tuple(ids),
+            sampling=req.sampling,
+            spec=self.spec.to_dict(),
+            fingerprint=self.spec.fingerprint,
+            overlap=req.overlap,
+            chunk=req.chunk,
+            dtype=self.backend.dtype,
+        ).to_json()
+        stream_spec = wire.StreamSpec(
+            self.spec.n_layers,
+            self.spec.n_kv_heads,
+            self.spec.head_dim,
+            wire.WireDtype.from_name(self.backend.dtype),
+            len(ids),
+        )
+        pieces: asyncio.Queue = asyncio.Queue()
+        injector = asyncio.create_task(self._inject_all(cache, pieces, remote))
+        n_pieces = 0
+        try:
+            remote.sent_at = clock()
+            frames = prefill_frames(
+                self.session(), peer, self.token, body, stream_spec, self.timeouts
+            )
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    now = clock()
+                    if frame.kind is wire.Kind.HELLO:
+                        remote.hello, remote.hello_at = frame.obj, now
+                        self._check_hello(peer, frame.obj)
+                    elif frame.kind is wire.Kind.LAYER:
+                        h = frame.header
+                        kv = LayerKV.from_bytes(
+                            h.layer, h.token_start, h.n_tokens, self.spec.n_kv_heads,
+                            self.spec.head_dim, self.backend.dtype, frame.k, frame.v,
+                        )  # fmt: skip
+                        remote.received.append((kv, now))
+                        await pieces.put(kv)
+                        n_pieces += 1
+                        if h.layer == self.spec.n_layers - 1:
+                            done_tokens = h.token_start + h.n_tokens
+                            await emit({"type": "progress", "tokens": done_tokens, "of": len(ids)})
+                    elif frame.kind is wire.Kind.TOKEN:
+                        remote.first_token, remote.first_token_at = frame.token_id, now
+                    elif frame.kind is wire.Kind.END:
+                        remote.end = frame.obj
+            await pieces.put(None)
+            await injector
+        except BaseException:
+            injector.cancel()
+            await asyncio.gather(injector, return_exceptions=True)
+            raise
+        if remote.end is None or remote.first_token is None:
+            raise PeerUnavailable(f"{peer} ended the stream without TOKEN and END")
+        _check_end(peer, remote.end, n_pieces)
+        if remote.first_token >= self.spec.vocab_size:
+            raise ProtocolError(
+                f"{peer}: first token {remote.first_token} is outside the vocabulary"
+            )
+        await emit_token(remote.first_token)
+        return cache
+
+    async def _inject_all(self, cache, pieces: asyncio.Queue, remote: _Remote) -> None:
+        while (kv := await pieces.get()) is not None:
+            await self._run(self.backend.inject, cache, kv)
+            remote.injected.append(clock())
+
+    def _check_hello(self, peer: str, hello: dict | None) -> None:
+        if not hello or "spec" not in hello:
+            raise ProtocolError(f"{peer}: HELLO carries no model spec")
+        if not all(
+            isinstance(hello.get(k), int | float) for k in ("prefill_received", "prefill_replied")
+        ):
+            raise ProtocolError(f"{peer}: HELLO lacks the prefill_received/prefill_replied stamps")
+        try:
+            theirs = ModelSpec.from_dict(hello["spec"])
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"{peer}: HELLO has a malformed spec: {exc}") from exc
+        require_compatible(self.spec, theirs, what=f"prefill peer {peer}")
+
+    def _timeline(self, ids, remote, fallback, decision, arrived, local, times, req) -> Timeline:
+        common = dict(
+            prompt_tokens=len(ids),
+            n_layers=self.spec.n_layers,
+            client_sent=arrived,
+            first_token=times[0],
+            token_times=tuple(times),
+            fallback=fallback,
+            decision=decision,
+        )
+        if remote is None or fallback is not None:
+            layers = ()
+            if remote is not None:  # draw what arrived before the failure
+                layers = tuple(
+                    LayerTiming(kv.layer, kv.token_start, kv.n_tokens, kv.nbytes, t, t, t, inj)
+                    for (kv, t), inj in zip(remote.received, remote.injected, strict=False)
+                )
+            return Timeline(
+                mode="local", prefill_start=local[0], prefill_end=local[1], layers=layers,
+                clock=None, **common,
+            )  # fmt: skip
+        end, hello = remote.end, remote.hello
+        layers = tuple(
+            LayerTiming(
+                kv.layer,
+                kv.token_start,
+                kv.n_tokens,
+                kv.nbytes,
+                p["compute_done"],
+                p["sent"],
+                received,
+                injected,
+            )  # fmt: skip
+            for (kv, received), injected, p in zip(
+                remote.received, remote.injected, end["pieces"], strict=True
+            )
+        )
+        sync = ClockSync(
+            decode_sent=remote.sent_at,
+            prefill_received=hello["prefill_received"],
+            prefill_replied=hello["prefill_replied"],
+            decode_replied=remote.hello_at,
+        )
+        return Timeline(
+            mode="overlap" if req.overlap else "sequential",
+            prefill_start=end["prefill_start"], prefill_end=end["prefill_end"],
+            layers=layers, clock=sync, **common,
+        )  # fmt: skip
+
+
+def _check_end(peer: str, end: dict, n_pieces: int) -> None:
+    """END must account for every piece with numeric stamps (the report is built from it)."""
+    pieces = end.get("pieces")
+    ok = isinstance(pieces, list) and len(pieces) == n_pieces
+    ok = ok and all(
+        isinstance(p, dict)
+        and all(isinstance(p.get(k), int | float) for k in ("compute_done", "sent"))
+        for p in pieces
+    )
+    ok = ok and all(isinstance(end.get(k), int | float) for k in ("prefill_start", "prefill_end"))
+    if not ok:
+        raise ProtocolError(
+            f"{peer}: END must list {n_pieces} pieces with compute_done/sent stamps and "
+            "prefill_start/prefill_end"
+        )

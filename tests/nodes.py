@@ -1,0 +1,90 @@
+"""Real node agents as separate processes on 127.0.0.1, for end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+TOKEN = "test-token-0123456789"
+
+
+class NodeProcess:
+    def __init__(self, model_dir, backend: str, workdir: Path, *extra: str, token=TOKEN, env=None):
+        self.ready_file = workdir / f"ready-{backend}-{time.monotonic_ns()}.json"
+        self.log_file = workdir / f"node-{backend}-{time.monotonic_ns()}.log"
+        cmd = [sys.executable, "-m", "exo_split", "node", "--model", str(model_dir),
+               "--backend", backend, "--port", "0", "--ready-file", str(self.ready_file), *extra]  # fmt: skip
+        full_env = {**os.environ, "EXO_SPLIT_TOKEN": token, **(env or {})}
+        self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.info: dict = {}
+
+    def wait_ready(self, timeout: float = 90.0) -> NodeProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log()}")
+            if self.ready_file.exists() and self.ready_file.stat().st_size:
+                self.info = json.loads(self.ready_file.read_text())
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"node not ready after {timeout} s:\n{self.log()}")
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.info['port']}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_file.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+
+async def generate(url: str, body: dict, token: str = TOKEN, timeout: float = 120) -> list[dict]:
+    """POST /v1/generate and collect the NDJSON events."""
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"{url}/v1/generate",
+            json=body,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        return [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
+
+
+def generate_sync(url: str, body: dict, **kw) -> dict:
+    events = asyncio.run(generate(url, body, **kw))
+    assert events[-1]["type"] == "done", events[-1]
+    return events[-1]
+
+
+async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, url, headers=headers, **kw) as resp:
+            return resp.status, await resp.read(), dict(resp.headers)

@@ -1,0 +1,183 @@
+"""Two real node agents (torch prefill, MLX decode) as processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from nodes import TOKEN, NodeProcess, generate_sync, request
+from reference import prompt_ids, reference_generate
+
+pytestmark = pytest.mark.timeout(600)
+
+FAMILIES = ("llama", "qwen3")
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def pairs(checkpoint, tmp_path_factory):
+    """family -> (prefill node, decode node), started once per module."""
+    work = tmp_path_factory.mktemp("nodes")
+    started = {}
+    for family in FAMILIES:
+        ckpt = checkpoint(family, num_hidden_layers=6)
+        started[family] = (NodeProcess(ckpt, "torch", work), NodeProcess(ckpt, "mlx", work))
+    try:
+        for t, m in started.values():
+            t.wait_ready()
+            m.wait_ready()
+        yield started
+    finally:
+        for t, m in started.values():
+            t.stop()
+            m.stop()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_split_over_the_network_matches_transformers(pairs, checkpoint, family, chunk):
+    t, m = pairs[family]
+    ckpt = checkpoint(family, num_hidden_layers=6)
+    for n in (1, 300, 2000):
+        ids = prompt_ids(n, seed=n)
+        done = generate_sync(
+            m.url,
+            {"token_ids": ids, "max_tokens": NEW_TOKENS, "prefill_peer": t.addr, "chunk": chunk},
+        )
+        assert done["report"]["fallback"] is None, done["report"]["fallback"]
+        assert done["report"]["mode"] == "overlap"
+        assert done["tokens"] == reference_generate(ckpt, ids, NEW_TOKENS), (family, n, chunk)
+        layers = done["report"]["layers"]
+        n_chunks = 1 if chunk is None or n <= chunk else -(-n // chunk)
+        assert len(layers) == 6 * n_chunks
+
+
+def _overlap_report(pairs, overlap: bool) -> dict:
+    t, m = pairs["llama"]
+    ids = prompt_ids(2000, seed=11)
+    body = {"token_ids": ids, "max_tokens": 2, "prefill_peer": t.addr, "overlap": overlap}
+    return generate_sync(m.url, body)["report"]
+
+
+def test_overlap_is_proven_by_timestamps(pairs):
+    """With overlap, layer 0 is received and injected on the decode node before the prefill
+    node has finished computing the last layer; with --no-overlap it is not."""
+    rep = _overlap_report(pairs, overlap=True)
+    slack = rep["clock_uncertainty_s"] or 0.0
+    last_compute = max(p["compute_done"] for p in rep["layers"])
+    first = rep["layers"][0]
+    assert first["layer"] == 0
+    assert first["injected"] + slack < last_compute, rep["layers"]
+    assert rep["hidden_fraction"] > 0.5
+
+    seq = _overlap_report(pairs, overlap=False)
+    assert seq["mode"] == "sequential"
+    last_compute = max(p["compute_done"] for p in seq["layers"])
+    assert all(p["received"] + slack > last_compute for p in seq["layers"])
+    assert all(p["sent"] >= seq["events"]["prefill_end"] - 1e-6 for p in seq["layers"])
+
+
+def _stats(node) -> dict:
+    status, body, _ = asyncio.run(request("GET", f"{node.url}/v1/info"))
+    assert status == 200
+    return json.loads(body)["stats"]
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_wrong_or_missing_token_is_refused_before_any_work(pairs, token):
+    t, m = pairs["llama"]
+    before = _stats(t)
+    body = {"request_id": "x", "token_ids": [1, 2, 3], "fingerprint": t.info["fingerprint"]}
+    for node, path in ((t, "/v1/prefill"), (m, "/v1/generate"), (t, "/v1/info")):
+        status, raw, _ = asyncio.run(request("POST" if "info" not in path else "GET",
+                                             node.url + path, token=token, json=body))  # fmt: skip
+        assert status == 401, raw
+        assert TOKEN not in raw.decode()
+    assert _stats(t) == before
+    status, _, _ = asyncio.run(request("GET", f"{t.url}/v1/health", token=None))
+    assert status == 200
+
+
+def test_incompatible_fingerprint_fails_before_any_layer_frame(pairs, checkpoint, tmp_path):
+    t, _ = pairs["llama"]
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint("llama", num_hidden_layers=6), other)
+    config = json.loads((other / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 12345.0
+    (other / "config.json").write_text(json.dumps(config))
+    m2 = NodeProcess(other, "mlx", tmp_path).wait_ready()
+    try:
+        before = _stats(t)
+        events = asyncio.run(_events(m2.url, {"token_ids": [1, 5, 9], "max_tokens": 3,
+                                               "prefill_peer": t.addr, "fallback": "none"}))  # fmt: skip
+        assert events[-1]["type"] == "error"
+        assert "(here != the decode node): rope_theta: 50000.0 != 12345.0" in events[-1]["message"]
+        assert not any(e["type"] == "token" for e in events)
+        assert _stats(t) == before  # refused before any prefill ran
+        # With the default fallback the request still completes, locally, and says why.
+        done = generate_sync(m2.url, {"token_ids": [1, 5, 9], "max_tokens": 3,
+                                      "prefill_peer": t.addr})  # fmt: skip
+        assert done["report"]["mode"] == "local"
+        assert "rope_theta" in done["report"]["fallback"]
+    finally:
+        m2.stop()
+
+
+async def _events(url, body):
+    from nodes import generate
+
+    return await generate(url, body)
+
+
+def test_prefill_endpoint_answers_409_naming_fields(pairs, checkpoint):
+    from exo_split.spec import load_spec
+
+    t, _ = pairs["llama"]
+    spec = load_spec(checkpoint("qwen3", num_hidden_layers=6)).to_dict()
+    body = {
+        "request_id": "r",
+        "token_ids": [1, 2],
+        "spec": spec,
+        "fingerprint": spec["fingerprint"],
+    }
+    status, raw, _ = asyncio.run(request("POST", f"{t.url}/v1/prefill", json=body))
+    assert status == 409
+    assert "architecture: 'llama' != 'qwen3'" in json.loads(raw)["message"]
+    assert not raw.startswith(b"EXOS")
+
+
+def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
+    t, m = pairs["llama"]
+    from exo_split.tokenizer import TextCodec
+
+    ckpt = checkpoint("llama", num_hidden_layers=6)
+    from exo_split.tinymodel import sample_prompt
+
+    prompt = sample_prompt(120, seed=4)
+    env = {"EXO_SPLIT_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "exo_split", "split-generate", "--prompt", prompt, "--max-tokens",
+         "8", "--decode-peer", m.addr, "--prefill-peer", t.addr, "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    ids = TextCodec(ckpt).tokenize(prompt)
+    assert doc["tokens"] == reference_generate(ckpt, ids, 8)
+    rep = doc["report"]
+    assert rep["ttft_source"] == "client" and rep["ttft_s"] > 0
+    assert rep["prefill_compute_s"] > 0 and rep["kv_bytes"] > 0
+    for key in ("compute_done", "sent", "received", "injected"):
+        assert all(key in p for p in rep["layers"])
+    text = subprocess.run(
+        [sys.executable, "-m", "exo_split", "split-generate", "--prompt", prompt, "--max-tokens",
+         "8", "--decode-peer", m.addr, "--prefill-peer", t.addr],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.strip() == doc["text"].strip()
+    assert "exposed handoff" in text.stderr and "TTFT" in text.stderr
