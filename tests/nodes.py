@@ -85,6 +85,5 @@ def generate_sync(url: str, body: dict, **kw) -> dict:
 
 async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as s:
-        async with s.request(method, url, headers=headers, **kw) as resp:
-            return resp.status, await resp.read(), dict(resp.headers)
+    async with aiohttp.ClientSession() as s, s.request(method, url, headers=headers, **kw) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
