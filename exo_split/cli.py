@@ -26,7 +26,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from exo_split import __version__, cli_split
+from exo_split import __version__, cli_demo, cli_split
 from exo_split.backends import BACKENDS, Backend, load_backend
 from exo_split.errors import ExoSplitError, IncompatiblePeer
 from exo_split.fidelity import CheckReport, run_check
@@ -333,7 +333,13 @@ def _check_table(report: CheckReport) -> Table:
 
 # --- main ------------------------------------------------------------------------------
 
-COMMANDS = (_add_generate, _add_check, cli_split.add_node, cli_split.add_split_generate)
+COMMANDS = (
+    _add_generate,
+    _add_check,
+    cli_split.add_node,
+    cli_split.add_split_generate,
+    cli_demo.add_demo,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from pathlib import Path
 from exo_split.auth import resolve_token
 from exo_split.errors import ExoSplitError
 
-DEFAULT_PORT = 52415
+DEFAULT_PORT = 52417
 
 
 def _say(message: str) -> None:
@@ -133,7 +133,7 @@ def cmd_split_generate(args) -> int:
         "chunk": args.prefill_chunk,
         "fallback": args.fallback,
     }
-    done, ttft = asyncio.run(_run(peer_url(decode), token, body, stream=not args.json))
+    done, ttft = asyncio.run(run_request(peer_url(decode), token, body, stream=not args.json))
     report = load_report(done["report"])
     timeline = dataclasses.replace(report.timeline, client_ttft_s=ttft)
     report = build_report(timeline)
@@ -154,21 +154,29 @@ def _read(path: Path) -> str:
         raise ExoSplitError(f"cannot read {path}: {exc.strerror}") from exc
 
 
-async def _run(url: str, token: str, body: dict, *, stream: bool) -> tuple[dict, float | None]:
+async def run_request(
+    url: str, token: str, body: dict, *, stream: bool
+) -> tuple[dict, float | None]:
+    """Send one generate request to the decode node; stream its text; return (done, client TTFT)."""
     import aiohttp
 
     from exo_split.transport.client import Timeouts, generate_events
 
     t0 = time.perf_counter()
     ttft = None
+    show_progress = sys.stderr.isatty()
     async with aiohttp.ClientSession() as session:
         async for event in generate_events(session, url, token, body, timeouts=Timeouts()):
             kind = event.get("type")
             if kind == "token":
                 if ttft is None:
                     ttft = time.perf_counter() - t0
+                    if show_progress:
+                        print("\r\033[K", end="", file=sys.stderr, flush=True)
                 if stream:
                     print(event.get("text", ""), end="", flush=True)
+            elif kind == "progress" and show_progress:
+                _progress_line(event)
             elif kind == "fallback":
                 _say(f"\n[prefill peer failed, prefilling locally: {event.get('reason')}]")
             elif kind == "error":
@@ -176,3 +184,15 @@ async def _run(url: str, token: str, body: dict, *, stream: bool) -> tuple[dict,
             elif kind == "done":
                 return event, ttft
     raise ExoSplitError(f"{url} closed the stream before the request was done")
+
+
+def _progress_line(event: dict) -> None:
+    """A transient line on the terminal while the KV arrives: layers and prompt tokens."""
+    layer, layers = event.get("layer", 0) + 1, event.get("layers", 0)
+    tokens, of = event.get("tokens", 0), event.get("of", 0)
+    print(
+        f"\r\033[K[KV arriving] layer {layer}/{layers}, prompt tokens {tokens}/{of}",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -244,9 +244,15 @@ class Coordinator:
                         remote.received.append((kv, now))
                         await pieces.put(kv)
                         n_pieces += 1
-                        if h.layer == self.spec.n_layers - 1:
-                            done_tokens = h.token_start + h.n_tokens
-                            await emit({"type": "progress", "tokens": done_tokens, "of": len(ids)})
+                        await emit(
+                            {
+                                "type": "progress",
+                                "layer": h.layer,
+                                "layers": self.spec.n_layers,
+                                "tokens": h.token_start + h.n_tokens,
+                                "of": len(ids),
+                            }
+                        )
                     elif frame.kind is wire.Kind.TOKEN:
                         remote.first_token, remote.first_token_at = frame.token_id, now
                     elif frame.kind is wire.Kind.END:

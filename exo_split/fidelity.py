@@ -29,7 +29,7 @@ import numpy as np
 
 from exo_split.backends import BACKENDS, Backend, load_backend
 from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.handoff import check_request, split_generate
+from exo_split.handoff import check_request, prefill_into, split_generate
 from exo_split.sampling import GREEDY
 from exo_split.spec import ModelSpec, load_spec, require_compatible
 from exo_split.tokenizer import TextCodec
@@ -170,16 +170,8 @@ def teacher_forced_logits(
 ) -> np.ndarray:
     """Logits [len(forced), vocab] predicting each forced token: row 0 from `prefill`'s
     prefill, then `decode` steps over forced[:-1] from the handed-over cache."""
-    capacity = len(token_ids) + len(forced)
-    if prefill is decode:
-        done = prefill.prefill(token_ids, capacity=capacity)
-        cache = done.cache
-    else:
-        cache = decode.new_cache(capacity)
-        done = prefill.prefill(
-            token_ids, on_layer=lambda kv: decode.inject(cache, kv.astype(decode.dtype))
-        )
-    rows = [done.logits]
+    cache, logits = prefill_into(prefill, decode, token_ids, capacity=len(token_ids) + len(forced))
+    rows = [logits]
     rows += [decode.step(cache, t) for t in forced[:-1]]
     return np.stack(rows).astype(np.float32)
 

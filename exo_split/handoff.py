@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from exo_split.backends.base import Backend
 from exo_split.errors import ExoSplitError, PromptTooLong
 from exo_split.sampling import GREEDY, Sampling, sample
@@ -61,6 +63,31 @@ def decode_tokens(
         yield token
 
 
+def prefill_into(
+    prefill: Backend,
+    decode: Backend,
+    token_ids: Sequence[int],
+    *,
+    capacity: int,
+    chunk: int | None = None,
+) -> tuple[Any, np.ndarray]:
+    """Prefill on `prefill` and fill `decode`'s cache layer by layer as each is produced.
+
+    Returns (decode's cache, last-position logits). The same backend object keeps its own
+    prefill cache (no copy).
+    """
+    if prefill is decode:
+        done = prefill.prefill(token_ids, chunk=chunk, capacity=capacity)
+        return done.cache, done.logits
+    cache = decode.new_cache(capacity)
+
+    def on_layer(kv):
+        decode.inject(cache, kv.astype(decode.dtype))
+
+    done = prefill.prefill(token_ids, chunk=chunk, on_layer=on_layer)
+    return cache, done.logits
+
+
 @dataclass
 class SplitResult:
     tokens: list[int]
@@ -84,18 +111,11 @@ def split_generate(
     require_compatible(prefill.spec, decode.spec, what="the decode backend")
     check_request(prefill.spec, len(token_ids), max_tokens)
     t0 = time.perf_counter()
-    if prefill is decode:
-        done = prefill.prefill(token_ids, chunk=chunk, capacity=len(token_ids) + max_tokens)
-        cache = done.cache
-    else:
-        cache = decode.new_cache(len(token_ids) + max_tokens)
-
-        def on_layer(kv):
-            decode.inject(cache, kv.astype(decode.dtype))
-
-        done = prefill.prefill(token_ids, chunk=chunk, on_layer=on_layer)
+    cache, logits = prefill_into(
+        prefill, decode, token_ids, capacity=len(token_ids) + max_tokens, chunk=chunk
+    )
     t_prefill = time.perf_counter()
-    first, _ = sample(done.logits, sampling, 0)
+    first, _ = sample(logits, sampling, 0)
     tokens = [first]
     times = [time.perf_counter()]
     if on_token:

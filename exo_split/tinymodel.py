@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,12 @@ def ensure_default_model(progress=None) -> Path:
     if progress:
         progress(f"building the embedded default model in {out} (first run only)")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    build_llama(tmp, DEFAULT_CONFIG, seed=1234)
-    tmp.rename(out) if not out.exists() else None
+    try:
+        build_llama(tmp, DEFAULT_CONFIG, seed=1234)
+        tmp.rename(out)  # atomic: a half-built model is never seen under the real name
+    except OSError:
+        if not (out / "model.safetensors").is_file():  # not a lost race with another build
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
-from exo_split.errors import BadCheckpoint
+from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV
 from exo_split.spec import ModelSpec, load_spec
 
@@ -202,6 +202,21 @@ class TorchBackend:
         return cache.get_seq_length()
 
 
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise ExoSplitError(
+            f"unknown torch device {name!r}", hint="use cpu, cuda or cuda:N"
+        ) from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ExoSplitError(
+            f"device {name} requested but this torch build sees no CUDA GPU",
+            hint="use --device cpu, or install a CUDA build of torch",
+        )
+    return dev
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -212,11 +227,14 @@ def load(
     spec = load_spec(model_dir)
     if dtype not in _TORCH_DTYPES:
         raise BadCheckpoint(f"unknown dtype {dtype!r}: expected one of {', '.join(_TORCH_DTYPES)}")
-    dev = torch.device(device or default_device())
+    dev = _device(device or default_device())
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_TORCH_DTYPES[dtype])
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise BadCheckpoint(f"transformers cannot load {model_dir}: {exc}") from exc
-    model.to(dev).eval()
+    try:
+        model.to(dev).eval()
+    except (AssertionError, RuntimeError) as exc:  # torch asserts when CUDA is not compiled in
+        raise ExoSplitError(f"cannot use device {dev} for the torch backend: {exc}") from exc
     log.info("torch backend: %s on %s in %s", spec.name, dev, dtype)
     return TorchBackend(model, spec, dtype, dev)

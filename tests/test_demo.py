@@ -1,0 +1,129 @@
+"""`exo-split demo` end to end: two real agents, one split request, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from exo_split.tinymodel import DEFAULT_CONFIG, build_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A cache dir holding the embedded default model, built once for this module."""
+    from exo_split.tinymodel import _BUILD_VERSION, DEFAULT_NAME
+
+    root = tmp_path_factory.mktemp("cache")
+    build_llama(root / f"{DEFAULT_NAME}-v{_BUILD_VERSION}", DEFAULT_CONFIG, seed=1234)
+    return root
+
+
+def _env(cache_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_SPLIT")}
+    return {**env, "EXO_SPLIT_CACHE": str(cache_dir)}
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _ports(pid: int) -> list[int]:
+    """TCP ports a child listens on, from its ready file path in the command line."""
+    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    ready = Path(cmd[cmd.index(b"--ready-file") + 1].decode())
+    return [json.loads(ready.read_text())["port"]] if ready.exists() else []
+
+
+def _bound(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_demo_json_end_to_end(cache_dir, tmp_path):
+    html = tmp_path / "report.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exo_split", "demo", "--json", "--prompt-tokens", "300",
+         "--max-tokens", "8", "--report-html", str(html)],
+        capture_output=True, text=True, env=_env(cache_dir), timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(doc["tokens"]) == 8 and doc["prompt_tokens"] == 300
+    assert doc["random_weights"] is True
+    rep = doc["report"]
+    assert rep["mode"] == "overlap" and rep["fallback"] is None
+    assert len(rep["layers"]) == DEFAULT_CONFIG["num_hidden_layers"]
+    assert rep["ttft_source"] == "client"
+    assert "<svg" in html.read_text()
+    assert "decode node ready" in proc.stderr
+    # The demo's tokens are the model's: the same request in-process gives the same ids.
+    from exo_split.backends import load_backend
+    from exo_split.handoff import split_generate
+    from exo_split.tinymodel import default_model_dir
+    from exo_split.tokenizer import TextCodec
+
+    os.environ["EXO_SPLIT_CACHE"] = str(cache_dir)
+    try:
+        model = default_model_dir()
+    finally:
+        del os.environ["EXO_SPLIT_CACHE"]
+    from exo_split.demo import default_prompt
+
+    ids = TextCodec(model).tokenize(default_prompt(299, DEFAULT_CONFIG["vocab_size"]))
+    t = load_backend("torch", model)
+    assert split_generate(t, t, ids, max_tokens=8).tokens == doc["tokens"]
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["sigint-to-demo", "ctrl-c-to-group"])
+def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exo_split", "demo", "--prompt-tokens", "2000",
+         "--max-tokens", "400", "--report-html", str(tmp_path / "r.html")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=_env(cache_dir), cwd=tmp_path, start_new_session=True,
+    )  # fmt: skip
+    children, ports, seen = [], [], ""
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "splitting one request" not in seen:
+            seen += proc.stderr.readline()
+            assert proc.poll() is None, seen
+        assert "splitting one request" in seen, seen
+        children = _children(proc.pid)
+        assert len(children) == 2, children
+        ports = [p for c in children for p in _ports(c)]
+        assert len(ports) == 2 and all(_bound(p) for p in ports)
+        time.sleep(0.5)  # midway: the request is in flight
+        if group:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+        rest = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc in (130, 0), rest
+    assert "Traceback" not in rest, rest
+    time.sleep(0.2)
+    assert not [c for c in children if _alive(c)], "a node agent survived the demo"
+    assert not [p for p in ports if _bound(p)], "a port is still bound"
