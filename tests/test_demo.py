@@ -75,6 +75,9 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
     assert rep["ttft_source"] == "client"
     assert "<svg" in html.read_text()
     assert "decode node ready" in proc.stderr
+    # No node agent outlives the demo (their command lines name the demo's work directory).
+    leftover = subprocess.run(["pgrep", "-f", "exo-split-demo-"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout
     # The demo's tokens are the model's: the same request in-process gives the same ids.
     from exo_split.backends import load_backend
     from exo_split.handoff import split_generate
