@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -22,3 +23,18 @@ def checkpoint(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return checkpoint("llama")
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """cli.main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""
+    logger = logging.getLogger("exo_split")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers

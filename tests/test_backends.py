@@ -15,11 +15,6 @@ from exo_split.handoff import split_generate
 from exo_split.kv import LayerKV
 
 
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
-
-
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_torch_hands_each_layer_on_before_the_next_layer_runs(llama, chunk):
     backend = load_backend("torch", llama)
@@ -155,3 +150,13 @@ def test_mlx_inject_refuses_a_gap(llama):
     k = np.zeros((m.spec.n_kv_heads, 4, m.spec.head_dim), np.float32)
     with pytest.raises(ValueError, match="starts at 4, cache at 0"):
         m.inject(cache, LayerKV(0, 4, k, k, "float32"))
+
+
+def test_a_device_torch_cannot_use_is_one_clear_error(llama):
+    from exo_split.errors import ExoSplitError
+
+    with pytest.raises(ExoSplitError, match="unknown torch device 'metal'"):
+        load_backend("torch", llama, device="metal")
+    if not torch.cuda.is_available():
+        with pytest.raises(ExoSplitError, match="sees no CUDA GPU"):
+            load_backend("torch", llama, device="cuda")

@@ -4,12 +4,10 @@ and how bad input is reported: one line, exit 2, no traceback."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 import sys
 
-import pytest
 from reference import reference_generate
 
 from exo_split import cli
@@ -19,21 +17,6 @@ from exo_split.tokenizer import TextCodec
 
 PROMPT = sample_prompt(30, seed=1)
 NEW_TOKENS = 12
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""
-    logger = logging.getLogger("exo_split")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
 
 
 def generate_args(model, *extra, prefill="torch", decode="mlx"):

@@ -5,11 +5,9 @@ weights do (caught by token and logit disagreement, which is the point of the te
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import numpy as np
-import pytest
 from safetensors.numpy import load_file, save_file
 
 from exo_split import fidelity
@@ -19,21 +17,6 @@ from exo_split.fidelity import PromptResult, first_mismatch, prompt_lengths, run
 from exo_split.spec import load_spec
 
 PAIRINGS = ["torch->mlx", "mlx->torch", "torch->torch", "mlx->mlx"]
-
-
-@pytest.fixture(autouse=True)
-def _restore_logging():
-    """main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""
-    logger = logging.getLogger("exo_split")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
-
-
-@pytest.fixture(scope="module")
-def llama(checkpoint):
-    return checkpoint("llama")
 
 
 def test_check_passes_on_a_tiny_checkpoint(llama, capsys):
