@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -27,12 +29,13 @@ from exo_split.errors import (
     AuthError,
     ExoSplitError,
     IncompatiblePeer,
+    PeerBusy,
     PeerUnavailable,
     ProtocolError,
 )
 from exo_split.handoff import check_request
 from exo_split.kv import LayerKV
-from exo_split.prefill import PrefillRequest
+from exo_split.prefill import PrefillRequest, forget_frames, wait_through_cancel
 from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
 from exo_split.sampling import Sampling, sample
 from exo_split.spec import ModelSpec, require_compatible
@@ -44,6 +47,16 @@ log = logging.getLogger(__name__)
 clock = time.perf_counter
 Emit = Callable[[dict], Awaitable[None]]
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
+PIECES_IN_FLIGHT = 4  # received pieces waiting for injection; then the reader stops reading
+
+
+class _Piece(NamedTuple):
+    """What the report needs of a received piece (its bytes are freed once injected)."""
+
+    layer: int
+    token_start: int
+    n_tokens: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,7 @@ class _Remote:
     hello_at: float | None = None
     sent_at: float = 0.0
     end: dict | None = None
-    received: list[tuple[LayerKV, float]] = field(default_factory=list)
+    received: list[tuple[_Piece, float]] = field(default_factory=list)
     injected: list[float] = field(default_factory=list)
 
 
@@ -148,7 +161,25 @@ class Coordinator:
         return ids
 
     async def generate(self, req: GenerateRequest, emit: Emit, *, arrived: float) -> dict:
-        """Run one request, emitting token events; returns the final `done` event."""
+        """Run one request, emitting token events; returns the final `done` event.
+
+        Cancelling it (the client went away) closes the stream from the prefill peer, which
+        stops that prefill, stops a local prefill at its next layer, and returns once the
+        compute thread has let go of this request's KV.
+        """
+        stop = threading.Event()
+        try:
+            return await self._generate(req, emit, arrived, stop)
+        except BaseException as exc:
+            forget_frames(exc)  # the request's KV must not outlive it in a traceback
+            if isinstance(exc, asyncio.CancelledError):
+                stop.set()
+                await wait_through_cancel(asyncio.ensure_future(self._run(_nothing)))
+            raise
+
+    async def _generate(
+        self, req: GenerateRequest, emit: Emit, arrived: float, stop: threading.Event
+    ) -> dict:
         ids = self.tokenize(req)
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
@@ -165,18 +196,27 @@ class Coordinator:
         if peer is not None:
             remote = _Remote()
             try:
-                cache = await self._remote_prefill(
+                cache = await self._remote_with_retries(
                     peer, req, ids, capacity, remote, emit, emit_token
                 )
             except PEER_FAILURES as exc:
                 if req.fallback == "none":
-                    raise
+                    failure = copy.copy(exc)  # same class and fields, a message that says why
+                    failure.args = (f"remote prefill failed and fallback is none: {exc}",)
+                    raise failure from exc
+                forget_frames(exc)  # the partial KV goes now, before the local prefill
                 fallback = f"local prefill: {exc}"
-                log.warning("prefill peer failed, prefilling locally: %s", exc)
+                log.warning("prefill peer failed, prefilling locally: %s", str(exc))
                 await emit({"type": "fallback", "reason": str(exc)})
         local_start = clock()
         if cache is None:
-            done = await self._run(self.backend.prefill, ids, chunk=req.chunk, capacity=capacity)
+            done = await self._run(
+                self.backend.prefill,
+                ids,
+                chunk=req.chunk,
+                capacity=capacity,
+                should_stop=stop.is_set,
+            )
             cache = done.cache
             if not tokens:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
@@ -201,6 +241,23 @@ class Coordinator:
             "report": report,
         }
 
+    async def _remote_with_retries(self, peer, req, ids, capacity, remote, emit, emit_token):
+        """A busy peer (503) is asked again after its Retry-After while the total wait stays
+        within `timeouts.busy_wait`; then the PeerBusy goes up like any peer failure."""
+        waited = 0.0
+        while True:
+            try:
+                return await self._remote_prefill(
+                    peer, req, ids, capacity, remote, emit, emit_token
+                )
+            except PeerBusy as exc:
+                pause = max(0.0, exc.retry_after)
+                if waited + pause > self.timeouts.busy_wait:
+                    raise
+                log.info("prefill peer %s busy; asking again in %g s", peer, pause)
+                await asyncio.sleep(pause)
+                waited += pause
+
     async def _remote_prefill(self, peer, req, ids, capacity, remote: _Remote, emit, emit_token):
         """Pull and inject; returns the filled cache. Raises one of PEER_FAILURES."""
         cache = await self._run(self.backend.new_cache, capacity)
@@ -221,8 +278,8 @@ class Coordinator:
             wire.WireDtype.from_name(self.backend.dtype),
             len(ids),
         )
-        pieces: asyncio.Queue = asyncio.Queue()
-        injector = asyncio.create_task(self._inject_all(cache, pieces, remote))
+        pieces: asyncio.Queue = asyncio.Queue(maxsize=PIECES_IN_FLIGHT)
+        injector = asyncio.create_task(self._inject_all(peer, cache, pieces, remote))
         n_pieces = 0
         try:
             remote.sent_at = clock()
@@ -237,12 +294,17 @@ class Coordinator:
                         self._check_hello(peer, frame.obj)
                     elif frame.kind is wire.Kind.LAYER:
                         h = frame.header
-                        kv = LayerKV.from_bytes(
-                            h.layer, h.token_start, h.n_tokens, self.spec.n_kv_heads,
-                            self.spec.head_dim, self.backend.dtype, frame.k, frame.v,
-                        )  # fmt: skip
-                        remote.received.append((kv, now))
-                        await pieces.put(kv)
+                        try:
+                            kv = LayerKV.from_bytes(
+                                h.layer, h.token_start, h.n_tokens, self.spec.n_kv_heads,
+                                self.spec.head_dim, self.backend.dtype, frame.k, frame.v,
+                            )  # fmt: skip
+                        except ValueError as exc:
+                            raise ProtocolError(f"{peer}: {h.describe()}: {exc}") from exc
+                        piece = _Piece(kv.layer, kv.token_start, kv.n_tokens, kv.nbytes)
+                        remote.received.append((piece, now))
+                        await _hand_over(pieces, kv, injector)
+                        del kv, frame  # the bytes live on only until injected
                         n_pieces += 1
                         await emit(
                             {
@@ -257,11 +319,12 @@ class Coordinator:
                         remote.first_token, remote.first_token_at = frame.token_id, now
                     elif frame.kind is wire.Kind.END:
                         remote.end = frame.obj
-            await pieces.put(None)
+            await _hand_over(pieces, None, injector)
             await injector
         except BaseException:
             injector.cancel()
             await asyncio.gather(injector, return_exceptions=True)
+            cache = kv = None  # noqa: F841 - the exception's traceback keeps this frame
             raise
         if remote.end is None or remote.first_token is None:
             raise PeerUnavailable(f"{peer} ended the stream without TOKEN and END")
@@ -273,10 +336,17 @@ class Coordinator:
         await emit_token(remote.first_token)
         return cache
 
-    async def _inject_all(self, cache, pieces: asyncio.Queue, remote: _Remote) -> None:
-        while (kv := await pieces.get()) is not None:
-            await self._run(self.backend.inject, cache, kv)
-            remote.injected.append(clock())
+    async def _inject_all(self, peer: str, cache, pieces: asyncio.Queue, remote: _Remote) -> None:
+        try:
+            while (kv := await pieces.get()) is not None:
+                try:
+                    await self._run(self.backend.inject, cache, kv)
+                except ValueError as exc:  # a piece that does not fit: the peer's fault
+                    raise ProtocolError(f"{peer}: cannot inject layer {kv.layer}: {exc}") from exc
+                del kv
+                remote.injected.append(clock())
+        finally:
+            cache = kv = None  # noqa: F841 - a cancelled injector's traceback keeps its frame
 
     def _check_hello(self, peer: str, hello: dict | None) -> None:
         if not hello or "spec" not in hello:
@@ -287,7 +357,7 @@ class Coordinator:
             raise ProtocolError(f"{peer}: HELLO lacks the prefill_received/prefill_replied stamps")
         try:
             theirs = ModelSpec.from_dict(hello["spec"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ProtocolError(f"{peer}: HELLO has a malformed spec: {exc}") from exc
         require_compatible(self.spec, theirs, what=f"prefill peer {peer}")
 
@@ -323,6 +393,7 @@ class Coordinator:
                 p["sent"],
                 received,
                 injected,
+                send_start=p["send_start"] if isinstance(p.get("send_start"), float) else None,
             )  # fmt: skip
             for (kv, received), injected, p in zip(
                 remote.received, remote.injected, end["pieces"], strict=True
@@ -339,6 +410,25 @@ class Coordinator:
             prefill_start=end["prefill_start"], prefill_end=end["prefill_end"],
             layers=layers, clock=sync, **common,
         )  # fmt: skip
+
+
+def _nothing() -> None:
+    """Run on the compute thread as a barrier: when it returns, earlier jobs have finished."""
+
+
+async def _hand_over(pieces: asyncio.Queue, item: Any, injector: asyncio.Task) -> None:
+    """Queue `item` for the injector. The queue is bounded (a slow injector slows the reader,
+    and so the peer, instead of piling up KV); if the injector failed, raise its error rather
+    than wait on a queue nobody empties."""
+    put = asyncio.ensure_future(pieces.put(item))
+    try:
+        await asyncio.wait({put, injector}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        put.cancel()  # no-op once it is done
+    if injector.done():
+        injector.result()  # the injector's error, if it failed
+    if put.cancelled():
+        raise ProtocolError("the injector stopped before the stream ended")
 
 
 def _check_end(peer: str, end: dict, n_pieces: int) -> None:

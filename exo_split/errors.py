@@ -34,3 +34,11 @@ class PeerUnavailable(ExoSplitError):
 
 class AuthError(ExoSplitError):
     """A request carried no token or the wrong one."""
+
+
+class PeerBusy(PeerUnavailable):
+    """A peer answered 503: its queue is full. `retry_after` is its Retry-After, in seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.retry_after = retry_after

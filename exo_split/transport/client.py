@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from exo_split.errors import AuthError, ExoSplitError, IncompatiblePeer, PeerUnavailable
+from exo_split.errors import AuthError, ExoSplitError, IncompatiblePeer, PeerBusy, PeerUnavailable
 from exo_split.transport import wire
 
 FRAMES_CONTENT_TYPE = "application/x-exo-split-frames"
@@ -27,9 +27,22 @@ class Timeouts:
     connect: float = 5.0
     first_frame: float = 30.0  # request sent -> HELLO
     idle: float = 60.0  # longest gap between two reads of a frame stream (one layer's compute)
+    total: float = 600.0  # request sent -> END: a peer trickling bytes cannot stretch it
+    busy_wait: float = 0.0  # longest total wait for a busy (503) peer; 0: fall back at once
+
+    def __post_init__(self) -> None:
+        for name, value in self.to_dict().items():
+            if not 0 <= value < float("inf") or (value == 0 and name != "busy_wait"):
+                raise ValueError(f"timeout {name} must be a finite number of seconds > 0")
 
     def to_dict(self) -> dict:
-        return {"connect": self.connect, "first_frame": self.first_frame, "idle": self.idle}
+        return {
+            "connect": self.connect,
+            "first_frame": self.first_frame,
+            "idle": self.idle,
+            "total": self.total,
+            "busy_wait": self.busy_wait,
+        }
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -52,11 +65,21 @@ async def _raise_for_status(resp: aiohttp.ClientResponse, peer: str) -> None:
     if resp.status == 409:
         raise IncompatiblePeer(f"{peer}: {message}")
     if resp.status == 503:
-        retry = resp.headers.get("Retry-After", "?")
-        raise PeerUnavailable(f"{peer} is busy (503, retry after {retry} s): {message}")
-    if resp.status in (400, 413):
-        raise ExoSplitError(f"{peer} rejected the request ({resp.status}): {message}")
+        retry = _retry_after(resp.headers.get("Retry-After"))
+        raise PeerBusy(
+            f"{peer} is busy (503, retry after {retry:g} s): {message}", retry_after=retry
+        )
+    if resp.status in (400, 413):  # e.g. a prompt over the peer's limit: we may still run it
+        raise PeerUnavailable(f"{peer} rejected the request ({resp.status}): {message}")
     raise PeerUnavailable(f"{peer} answered {resp.status}: {message}")
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds from a Retry-After header (delay-seconds; a date or junk counts as 1 s)."""
+    try:
+        return min(max(float(value), 0.0), 60.0)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 1.0
 
 
 def _client_errors(peer: str, what: str):
@@ -71,7 +94,7 @@ def _client_errors(peer: str, what: str):
                 return False
             if isinstance(exc, asyncio.TimeoutError | TimeoutError):
                 raise PeerUnavailable(f"{peer}: {what} timed out") from exc
-            if isinstance(exc, aiohttp.ClientError | OSError):
+            if isinstance(exc, aiohttp.ClientError | OSError | EOFError):
                 raise PeerUnavailable(
                     f"{peer}: {what} failed: {exc or type(exc).__name__}"
                 ) from exc
@@ -107,11 +130,14 @@ async def prefill_frames(
 ) -> AsyncIterator[wire.Frame]:
     """POST /v1/prefill and yield each checked frame as it completes.
 
-    Ends after END; raises PeerUnavailable (died, stalled, refused), ProtocolError (garbage),
-    IncompatiblePeer or AuthError. Closing the generator closes the connection, which is how
-    the prefill node learns to stop.
+    Ends after END; raises PeerUnavailable (died, stalled, refused; PeerBusy for a 503),
+    ProtocolError (garbage), IncompatiblePeer or AuthError, each within the timeouts: connect,
+    first_frame to HELLO, idle between reads, total to END. Closing the generator closes the
+    connection, which is how the prefill node learns to stop.
     """
     decoder = wire.FrameDecoder(spec)
+    start = asyncio.get_running_loop().time()
+    deadline = start + timeouts.total
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeouts.connect, sock_connect=timeouts.connect
     )
@@ -124,14 +150,31 @@ async def prefill_frames(
         )
     try:
         await _raise_for_status(resp, base_url)
-        wait, n_frames = timeouts.first_frame, 0
+        # HELLO is due first_frame after the request went out, headers included
+        wait = max(start + timeouts.first_frame - asyncio.get_running_loop().time(), 0.001)
+        n_frames = 0
         while not decoder.finished:
+            left = deadline - asyncio.get_running_loop().time()
             with _client_errors(base_url, "the KV stream"):
                 try:
-                    chunk = await asyncio.wait_for(resp.content.readany(), timeout=wait)
+                    chunk = await asyncio.wait_for(resp.content.readany(), timeout=min(wait, left))
                 except (asyncio.TimeoutError, TimeoutError) as exc:
+                    if left <= wait:
+                        raise PeerUnavailable(
+                            f"{base_url} did not finish the prefill within {timeouts.total:g} s "
+                            f"(after {n_frames} frames)"
+                        ) from exc
+                    if n_frames == 0:
+                        raise PeerUnavailable(
+                            f"{base_url} stalled: no HELLO within {timeouts.first_frame:g} s"
+                        ) from exc
                     raise PeerUnavailable(
                         f"{base_url} stalled: no data for {wait:g} s after {n_frames} frames"
+                    ) from exc
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
+                    raise PeerUnavailable(
+                        f"{base_url} closed the stream: connection lost after {n_frames} frames "
+                        f"({type(exc).__name__})"
                     ) from exc
             wait = timeouts.idle
             if not chunk:
@@ -140,7 +183,11 @@ async def prefill_frames(
                 except wire.ProtocolError as exc:
                     raise PeerUnavailable(f"{base_url} closed the stream: {exc}") from exc
                 return
-            for frame in decoder.feed(chunk):
+            try:
+                frames = decoder.feed(chunk)
+            except wire.ProtocolError as exc:
+                raise wire.ProtocolError(f"{base_url}: {exc}") from exc
+            for frame in frames:
                 n_frames += 1
                 if frame.kind is wire.Kind.ERROR:
                     obj = frame.obj or {}

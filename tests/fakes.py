@@ -1,0 +1,322 @@
+"""Misbehaving prefill peers for reliability tests, and the mutations of a frame stream.
+
+`FakePrefillPeer` is an aiohttp server on 127.0.0.1, in a thread of the test process, that
+answers POST /v1/prefill as its current `plan` says: forward to a real prefill node and record
+the bytes (`proxy`), replay bytes and then close, cut, reset or stall (`replay`), answer with
+a status (`status`), or never answer (`hang`). A real prefill node (a separate process) is
+what the decode node talks to in the kill tests; the fake is for what a real node would not
+do on purpose.
+
+`mutate_stream` is the one mutation engine behind both the in-process 50,000-frame run and the
+streams sent to a live decode node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import struct
+import threading
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from nodes import TOKEN
+
+from exo_split.transport import wire
+
+# ---- the fake peer -------------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    """What the fake saw of one request."""
+
+    body: dict
+    sent: int = 0  # bytes written
+    closed_by_client: float | None = None  # loop time the client hung up (stall plans)
+    started: float = 0.0
+
+
+class FakePrefillPeer:
+    def __init__(self, token: str = TOKEN):
+        self.token = token
+        self.plans: deque[Callable] = deque()  # one per request, in order; else `default`
+        self.default: Callable | None = None
+        self.served: list[Served] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._runner: web.AppRunner | None = None
+        self.port = self._call(self._start())
+
+    def _call(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/v1/prefill", self._prefill)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}"
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._call(self._runner.cleanup(), timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _prefill(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"code": "unauthorized", "message": "no"}, status=401)
+        served = Served(await request.json(), started=asyncio.get_running_loop().time())
+        self.served.append(served)
+        plan = self.plans.popleft() if self.plans else self.default
+        assert plan is not None, "the fake prefill peer has no plan"
+        return await plan(request, served)
+
+
+async def _stream_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-exo-split-frames"})
+    await resp.prepare(request)
+    return resp
+
+
+async def _wait_for_hangup(request: web.Request, served: Served, limit: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while loop.time() < end:
+        if request.transport is None or request.transport.is_closing():
+            served.closed_by_client = loop.time()
+            return
+        await asyncio.sleep(0.01)
+
+
+def replay(
+    data: bytes, *, upto: int | None = None, then: str = "close", piece: int = 65536
+) -> Callable:
+    """Send data[:upto]; then "close" (clean end), "reset" (RST) or "stall" (keep the
+    connection open, send nothing, until the client hangs up)."""
+
+    async def plan(request: web.Request, served: Served) -> web.StreamResponse:
+        resp = await _stream_response(request)
+        out = data[:upto] if upto is not None else data
+        try:
+            for i in range(0, len(out), piece):
+                await resp.write(out[i : i + piece])
+                served.sent += len(out[i : i + piece])
+            if then == "stall":
+                await _wait_for_hangup(request, served)
+            elif then == "reset" and request.transport is not None:
+                await asyncio.sleep(0.05)
+                sock = request.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                request.transport.abort()
+                return resp
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+        return resp
+
+    return plan
+
+
+def proxy(real_url: str, record: list[bytes]) -> Callable:
+    """Forward the request to a real prefill node and the bytes back; keep a copy."""
+
+    async def plan(request: web.Request, served: Served) -> web.StreamResponse:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{real_url}/v1/prefill", json=served.body,
+                   headers={"Authorization": request.headers["Authorization"]}) as upstream,
+        ):  # fmt: skip
+            assert upstream.status == 200, await upstream.text()
+            resp = await _stream_response(request)
+            got = bytearray()
+            async for chunk in upstream.content.iter_any():
+                got += chunk
+                await resp.write(chunk)
+            record.append(bytes(got))
+            await resp.write_eof()
+            return resp
+
+    return plan
+
+
+def status(code: int, message: str = "", headers: dict | None = None) -> Callable:
+    async def plan(request: web.Request, served: Served) -> web.Response:
+        body = {"code": str(code), "message": message}
+        return web.json_response(body, status=code, headers=headers or {})
+
+    return plan
+
+
+def hang() -> Callable:
+    """Accept the request and never answer (no status line) until the client hangs up."""
+
+    async def plan(request: web.Request, served: Served) -> web.StreamResponse:
+        await _wait_for_hangup(request, served)
+        return web.Response()
+
+    return plan
+
+
+@contextlib.contextmanager
+def black_hole():
+    """A 127.0.0.1 port whose accept queue is full: a connect there never completes."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        fillers.append(s)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        for s in (*fillers, srv):
+            s.close()
+
+
+# ---- frame streams -------------------------------------------------------------------------
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """A valid stream cut into its frames (header + payload each)."""
+    out, i = [], 0
+    while i < len(data):
+        header = wire.FrameHeader.unpack(data[i : i + wire.HEADER_SIZE])
+        end = i + wire.HEADER_SIZE + header.payload_len
+        out.append(data[i:end])
+        i = end
+    return out
+
+
+def frame_offsets(data: bytes) -> list[tuple[wire.FrameHeader, int]]:
+    """(header, offset of the frame) for each frame of a valid stream."""
+    out, i = [], 0
+    for frame in split_frames(data):
+        out.append((wire.FrameHeader.unpack(frame), i))
+        i += len(frame)
+    return out
+
+
+def with_crc(frame: bytes) -> bytes:
+    """Recompute a frame's CRC (for edits that must get past the CRC check)."""
+    header, payload = frame[: wire.HEADER_SIZE], frame[wire.HEADER_SIZE :]
+    return header[:28] + struct.pack("<I", zlib.crc32(payload)) + payload
+
+
+def replace_json(frame: bytes, edit: Callable[[dict], dict]) -> bytes:
+    """A HELLO/END frame with its JSON edited, length and CRC made right again."""
+    header = wire.FrameHeader.unpack(frame)
+    obj = edit(json.loads(frame[wire.HEADER_SIZE :]))
+    return wire.frame_bytes(wire._encode_json(header.kind, obj))
+
+
+# Header fields: (offset, size) in the 32-byte header (wire.py's byte table).
+FIELDS = {
+    "magic": (0, 4),
+    "version": (4, 1),
+    "kind": (5, 1),
+    "dtype": (6, 1),
+    "flags": (7, 1),
+    "layer": (8, 4),
+    "token_start": (12, 4),
+    "n_tokens": (16, 4),
+    "payload_len": (20, 8),
+    "crc32": (28, 4),
+}
+INTERESTING = (0, 1, 2, 3, 4, 5, 6, 0x7F, 0x80, 0xFF, 0xFFFF, 2**31 - 1, 2**31, 2**32 - 1,
+               2**63, 2**64 - 1, 100 * 2**30)  # fmt: skip
+OPS = ("flip", "byte", "field", "truncate", "extend", "duplicate", "drop", "swap", "garbage",
+       "splice")  # fmt: skip
+
+
+@dataclass
+class Mutation:
+    frame: int
+    ops: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"frame {self.frame}: {', '.join(self.ops)}"
+
+
+def mutate_stream(
+    frames: list[bytes], rng: random.Random, n_ops: int = 0
+) -> tuple[bytes, Mutation]:
+    """Apply 1-3 mutations (or `n_ops`) to one randomly chosen frame of a valid stream."""
+    frames = list(frames)
+    i = rng.randrange(len(frames))
+    m = Mutation(i)
+    for _ in range(n_ops or rng.choice((1, 1, 1, 2, 3))):
+        if not frames:
+            break
+        i = min(i, len(frames) - 1)
+        frame = bytearray(frames[i])
+        op = rng.choice(OPS)
+        if op == "flip" and frame:
+            pos = rng.randrange(
+                min(len(frame), wire.HEADER_SIZE) if rng.random() < 0.5 else len(frame)
+            )
+            frame[pos] ^= 1 << rng.randrange(8)
+            m.ops.append(f"flip bit at {pos}")
+        elif op == "byte" and frame:
+            pos = rng.randrange(len(frame))
+            frame[pos] = rng.randrange(256)
+            m.ops.append(f"byte {pos}={frame[pos]}")
+        elif op == "field" and len(frame) >= wire.HEADER_SIZE:
+            name = rng.choice(list(FIELDS))
+            off, size = FIELDS[name]
+            old = int.from_bytes(frame[off : off + size], "little")
+            value = rng.choice((*INTERESTING, old + 1, old - 1, old ^ 1)) % (1 << (8 * size))
+            frame[off : off + size] = value.to_bytes(size, "little")
+            m.ops.append(f"{name}={value}")
+        elif op == "truncate":
+            cut = rng.randrange(len(frame) + 1)
+            del frame[cut:]
+            m.ops.append(f"truncate at {cut}")
+        elif op == "extend":
+            extra = rng.randbytes(rng.choice((1, 4, 31, 32, 33, 200)))
+            frame += extra
+            m.ops.append(f"extend by {len(extra)}")
+        elif op == "duplicate":
+            frames.insert(i, bytes(frame))
+            m.ops.append("duplicate")
+        elif op == "drop":
+            del frames[i]
+            m.ops.append("drop")
+            continue
+        elif op == "swap" and i + 1 < len(frames):
+            frames[i], frames[i + 1] = frames[i + 1], bytes(frame)
+            m.ops.append("swap with next")
+            continue
+        elif op == "garbage":
+            frame = bytearray(rng.randbytes(rng.choice((0, 1, 16, 32, 64, 4096))))
+            m.ops.append(f"garbage {len(frame)}")
+        elif op == "splice":
+            other = frames[rng.randrange(len(frames))]
+            frame[: wire.HEADER_SIZE] = other[: wire.HEADER_SIZE]
+            m.ops.append("splice another header")
+        frames[i] = bytes(frame)
+    return b"".join(frames), m

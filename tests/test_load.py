@@ -1,0 +1,175 @@
+"""Concurrent load: 8 split requests at once against one prefill node and one decode node.
+
+Every response must equal its solo run; a prefill node at its queue limit answers 503 with
+Retry-After, and the decode node then falls back (default) or asks again (--busy-wait); after
+each burst the KV held on both nodes returns to its idle level. Node agents are processes on
+127.0.0.1; "KV held" is the nodes' own ledger in /v1/info, cross-checked with the processes'
+resident memory (the decode side's MLX memory is measured exactly in
+test_reliability_limits.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from nodes import TOKEN, NodeProcess, generate, request
+from reference import prompt_ids, reference_generate
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+LAYERS = 6
+NEW_TOKENS = 8
+PROMPTS = [prompt_ids(n, seed=100 + i) for i, n in enumerate((60, 150, 300, 450, 600, 800, 1000, 1200))]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoint):
+    return checkpoint("llama", num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def nodes(ckpt, tmp_path_factory):
+    work = tmp_path_factory.mktemp("load")
+    started = {
+        "prefill": NodeProcess(ckpt, "torch", work),
+        "decode": NodeProcess(ckpt, "mlx", work),
+        "prefill_2": NodeProcess(ckpt, "torch", work, "--max-concurrent", "2"),
+        "decode_waits": NodeProcess(ckpt, "mlx", work, "--busy-wait", "30"),
+    }
+    try:
+        for node in started.values():
+            node.wait_ready()
+        yield started
+    finally:
+        for node in started.values():
+            node.stop()
+
+
+@pytest.fixture(scope="module")
+def solo(nodes, ckpt) -> list[list[int]]:
+    """Each prompt run alone through the split; it must equal transformers."""
+    out = []
+    for ids in PROMPTS:
+        done = _done(asyncio.run(generate(nodes["decode"].url, _body(nodes["prefill"], ids))))
+        assert done["report"]["fallback"] is None
+        assert done["tokens"] == reference_generate(ckpt, ids, NEW_TOKENS)
+        out.append(done["tokens"])
+    return out
+
+
+def _body(prefill, ids) -> dict:
+    return {"token_ids": ids, "max_tokens": NEW_TOKENS, "prefill_peer": prefill.addr}
+
+
+def _done(events: list[dict]) -> dict:
+    assert events[-1]["type"] == "done", events[-1]
+    return events[-1]
+
+
+def burst(decode, prefill) -> tuple[list[dict], float]:
+    async def all_at_once():
+        return await asyncio.gather(*(generate(decode.url, _body(prefill, ids)) for ids in PROMPTS))
+
+    t0 = time.monotonic()
+    results = asyncio.run(all_at_once())
+    return [_done(events) for events in results], time.monotonic() - t0
+
+
+def stats(node) -> dict:
+    code, body, _ = asyncio.run(request("GET", f"{node.url}/v1/info"))
+    assert code == 200
+    return json.loads(body)["stats"]
+
+
+def rss(node) -> int:
+    with open(f"/proc/{node.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def wait_idle(*nodes_, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    for node in nodes_:
+        while (s := stats(node))["kv_bytes_held"] or s["active"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.02)
+
+
+def test_8_concurrent_requests_each_equal_their_solo_run(nodes, solo):
+    prefill, decode = nodes["prefill"], nodes["decode"]
+    wait_idle(prefill, decode)
+    idle = {name: rss(nodes[name]) for name in ("prefill", "decode")}
+    peaks = []
+    for round_ in range(2):  # twice: memory that leaked per request would show as growth
+        dones, elapsed = burst(decode, prefill)
+        for done, want in zip(dones, solo, strict=True):
+            assert done["report"]["fallback"] is None
+            assert done["tokens"] == want
+        wait_idle(prefill, decode)
+        after = {name: rss(nodes[name]) for name in ("prefill", "decode")}
+        peaks.append({n: stats(nodes[n])["kv_bytes_peak"] for n in ("prefill", "decode")})
+        print(f"burst {round_}: 8 requests in {elapsed:.2f} s; RSS MiB idle -> after: "
+              + ", ".join(f"{n} {idle[n] >> 20} -> {after[n] >> 20}" for n in idle)
+              + f"; KV peak held (ledger) {peaks[-1]}")  # fmt: skip
+    # Both nodes held the KV of several requests at once, and none after the bursts.
+    s_p, s_d = stats(prefill), stats(decode)
+    assert s_p["kv_bytes_held"] == 0 and s_d["kv_bytes_held"] == 0
+    assert s_p["kv_bytes_peak"] > 0 and s_d["kv_bytes_peak"] > 0
+    # Resident memory settles: no per-request growth from one burst to the next.
+    assert all(after[n] - idle[n] < 256 * 2**20 for n in idle), (idle, after)
+
+
+def test_prefill_node_at_its_limit_answers_503_with_retry_after(nodes):
+    prefill = nodes["prefill_2"]
+    spec = prefill.info["spec"]
+    body = {"token_ids": prompt_ids(4000, seed=1), "spec": spec, "fingerprint": spec["fingerprint"],
+            "chunk": 16}  # fmt: skip
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def fill_then_ask():
+        async with aiohttp.ClientSession() as s:
+            held = [await s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers)
+                    for _ in range(2)]  # fmt: skip
+            for r in held:  # both admitted and streaming: the node is at its limit
+                assert r.status == 200 and (await r.content.readexactly(32))[:4] == b"EXOS"
+            async with s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers) as third:
+                answer = third.status, dict(third.headers), await third.json()
+            for r in held:
+                r.close()
+            return answer
+
+    code, headers_, payload = asyncio.run(fill_then_ask())
+    assert code == 503
+    assert headers_["Retry-After"] == "1"
+    assert payload == {"code": "busy", "message": "prefill queue is full (2 in progress)"}
+    wait_idle(prefill)
+    assert stats(prefill)["refused_busy"] >= 1
+
+
+def test_burst_against_a_full_prefill_node_falls_back_locally(nodes, solo):
+    prefill, decode = nodes["prefill_2"], nodes["decode"]
+    before = stats(prefill).get("refused_busy", 0)
+    dones, elapsed = burst(decode, prefill)
+    assert [d["tokens"] for d in dones] == solo
+    fell = [d["report"]["fallback"] for d in dones if d["report"]["fallback"]]
+    assert fell, "8 requests against a node that admits 2: some must have been refused"
+    assert all("busy (503, retry after 1 s)" in f for f in fell), fell
+    assert stats(prefill)["refused_busy"] - before == len(fell)
+    print(f"limit 2, no busy-wait: {len(fell)} of 8 fell back, burst took {elapsed:.2f} s")
+    wait_idle(prefill, decode)
+
+
+def test_burst_with_busy_wait_retries_after_retry_after(nodes, solo):
+    prefill, decode = nodes["prefill_2"], nodes["decode_waits"]
+    before = stats(prefill).get("refused_busy", 0)
+    dones, elapsed = burst(decode, prefill)
+    assert [d["tokens"] for d in dones] == solo
+    assert all(d["report"]["fallback"] is None for d in dones)
+    refused = stats(prefill)["refused_busy"] - before
+    print(f"limit 2, --busy-wait 30: all 8 remote, {refused} refusals retried, "
+          f"burst took {elapsed:.2f} s")  # fmt: skip
+    assert refused >= 1
+    wait_idle(prefill, decode)
