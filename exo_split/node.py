@@ -1,18 +1,21 @@
 """The node agent: one loaded backend, served over HTTP for exactly as long as it runs.
 
-Lifecycle: load the model (the slow part, with progress), bind the port, say so in one
-startup line, serve until SIGINT/SIGTERM, then stop accepting, finish or cancel what is in
-flight, and close. All backend work runs on one compute thread, never on the event loop.
+Lifecycle: load the model (the slow part, with progress), measure its speeds (a short
+warm-up, cached per model), bind the port, advertise over mDNS and browse for peers, say so
+in one startup line, serve until SIGINT/SIGTERM, then say goodbye on mDNS, stop accepting,
+finish or cancel what is in flight, and close. All backend work runs on one compute thread,
+never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
 import socket
-import uuid
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,10 +24,13 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from exo_split import PROTOCOL_VERSION, __version__
+from exo_split import PROTOCOL_VERSION, __version__, policy
 from exo_split.backends import load_backend
+from exo_split.capabilities import Speeds, node_speeds, probe_link
 from exo_split.coordinator import Coordinator, GenerateRequest
-from exo_split.errors import ExoSplitError
+from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
+from exo_split.discovery.presence import Presence, mdns_interfaces
+from exo_split.errors import ExoSplitError, PeerUnavailable
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
 from exo_split.transport.server import Limits, NodeState, make_app
@@ -36,7 +42,7 @@ log = logging.getLogger(__name__)
 class NodeConfig:
     model_dir: Path
     backend: str
-    token: str
+    token: str = field(repr=False)
     device: str | None = None
     dtype: str = "float32"
     host: str = "127.0.0.1"
@@ -45,6 +51,13 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
     timeouts: Timeouts = field(default_factory=Timeouts)
     ready_file: Path | None = None
+    # Discovery and capabilities (docs/discovery.md).
+    mdns: bool = True
+    interfaces: tuple[str, ...] = ()  # mDNS on these addresses; (): where we listen
+    cache_dir: Path | None = None  # measured speeds are cached here; None: not cached
+    warmup: bool = True  # measure speeds at start-up (unless cached)
+    remeasure: bool = False  # measure even when cached
+    die_after_layer: int | None = None  # test hook: docs/reliability.md
 
 
 def peer_url(addr: str) -> str:
@@ -63,7 +76,7 @@ class Node:
     def __init__(self, config: NodeConfig, *, progress: Callable[[str], None] = print):
         self.config = config
         self.progress = progress
-        self.node_id = uuid.uuid4().hex[:12]
+        self.node_id = new_node_id()
         self._session: aiohttp.ClientSession | None = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         progress(f"loading {config.model_dir} into the {config.backend} backend ...")
@@ -73,7 +86,21 @@ class Node:
         ).result()
         self.codec = TextCodec(config.model_dir)
         self.spec = self.backend.spec
-        self.coordinator = Coordinator(
+        self.speeds = self._measure_speeds()
+        self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
+        self._info: dict | None = None
+        self.presence = Presence(
+            self.node_info(),
+            fetch_info=lambda host, port: fetch_info(
+                self.session(), format_url(host, port), config.token, timeout=2
+            ),
+            static=config.peers,
+            mdns=config.mdns,
+            interfaces=mdns_interfaces(config.host, config.interfaces),
+            never_publish=[config.token],
+            on_change=self._refresh_info,
+        )
+        self.coordinator = _Coordinator(
             self.backend,
             self.codec,
             self.executor,
@@ -82,6 +109,40 @@ class Node:
             session=self.session,
             choose_peer=self.choose_prefill_peer,
         )
+        self.coordinator.on_done = self._learn
+
+    def _measure_speeds(self) -> Speeds | None:
+        """This node's prefill and decode tokens/s: cached, else a short warm-up."""
+        cfg = self.config
+        if not cfg.warmup:
+            return None
+        t0 = time.perf_counter()
+        speeds, cached = self.executor.submit(
+            node_speeds, self.backend, cfg.cache_dir, remeasure=cfg.remeasure
+        ).result()
+        where = (
+            f"cached in {cfg.cache_dir}"
+            if cached
+            else f"measured in {time.perf_counter() - t0:.1f} s"
+        )
+        self.progress(
+            f"speeds ({where}): prefill {speeds.prefill_tps:.0f} tok/s, "
+            f"decode {speeds.decode_tps:.1f} tok/s"
+        )
+        return speeds
+
+    def node_info(self) -> NodeInfo:
+        """What this node advertises (mDNS TXT) and answers on GET /v1/info."""
+        return NodeInfo(
+            node_id=self.node_id,
+            name=f"{socket.gethostname()}-{self.node_id[:6]}",
+            backend=self.backend.name,
+            device=self.backend.device,
+            model=(self.spec.name or self.config.model_dir.name or "model")[:100],
+            fingerprint=self.spec.fingerprint,
+            prefill_tps=self.speeds.prefill_tps if self.speeds else None,
+            decode_tps=self.speeds.decode_tps if self.speeds else None,
+        )
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -89,44 +150,150 @@ class Node:
         return self._session
 
     def info(self) -> dict:
-        return {
-            "node_id": self.node_id,
-            "name": f"{socket.gethostname()}-{self.node_id[:6]}",
-            "version": __version__,
-            "protocol": PROTOCOL_VERSION,
-            "backend": self.backend.name,
-            "device": self.backend.device,
-            "dtype": self.backend.dtype,
-            "model": self.spec.name,
-            "fingerprint": self.spec.fingerprint,
-            "spec": self.spec.to_dict(),
-            "roles": ["prefill", "decode"],
-            "capabilities": {},
-        }
+        """The GET /v1/info body: one dict, kept current in place (peers come and go)."""
+        if self._info is None:
+            node = self.node_info()
+            self._info = {
+                **node.to_info_dict(),
+                "version": __version__,
+                "protocol": PROTOCOL_VERSION,
+                "dtype": self.backend.dtype,
+                "spec": self.spec.to_dict(),
+            }
+            if self.speeds is not None:
+                self._info["capabilities"] |= {
+                    "warmup_prompt_tokens": self.speeds.prefill_tokens,
+                    "warmup_decode_steps": self.speeds.decode_steps,
+                }
+            self._refresh_info()
+        return self._info
+
+    def _refresh_info(self) -> None:
+        if self._info is not None:
+            self._info["mdns"] = {
+                "advertised": self.presence.advertising,
+                "error": self.presence.mdns_error,
+            }
+            self._info["peers"] = self.presence.known()
+            self._info["links"] = {url: vars(link) for url, link in self.links.items()}
 
     async def choose_prefill_peer(
         self, req: GenerateRequest, prompt_len: int
     ) -> tuple[str | None, dict | None]:
-        """Which node prefills: the request's peer, else the first static peer that serves
-        our model; None = prefill locally."""
-        if req.prefill == "local":
-            return None, {"choice": "local", "reason": "requested"}
-        if req.prefill_peer:
-            return peer_url(req.prefill_peer), {"choice": "remote", "reason": "requested peer"}
-        for addr in self.config.peers:
-            url = peer_url(addr)
-            try:
-                info = await fetch_info(self.session(), url, self.config.token, timeout=3)
-            except ExoSplitError as exc:
-                log.warning("static peer %s unusable: %s", addr, exc)
-                continue
-            if info.get("fingerprint") == self.spec.fingerprint and info["node_id"] != self.node_id:
-                return url, {"choice": "remote", "reason": f"static peer {addr}"}
-        if req.prefill == "remote":
+        """Which node prefills (None: this one) and why (the report's `decision`).
+
+        A peer named in the request is used as asked. Otherwise the best prefill peer we
+        know (mDNS and static, same model) is weighed against prefilling here by
+        policy.decide, from the speeds both advertise and the measured link (probed on
+        first use, then learned from each transfer). Estimates are made whenever the
+        figures are known, so a forced choice still shows what it gave up."""
+        t0 = time.perf_counter()
+        named = peer_url(req.prefill_peer) if req.prefill_peer else None
+        peer, url, unreachable = None, None, None
+        # Looked up for "local" too: the report shows what a remote prefill would have cost.
+        known = await self.presence.peers()
+        if named is not None:
+            url = named
+            peer = next((p for p in known if p.url == named), None)
+        else:
+            ranked = prefill_candidates(known, self.spec.fingerprint, exclude=[self.node_id])
+            peer = ranked[0] if ranked else None
+            url = peer.url if peer is not None else None
+        if url is None and req.prefill == "remote":
             raise ExoSplitError(
-                "no prefill peer serving this model was found", hint="use --prefill-peer"
+                "no prefill peer serving this model was found",
+                hint="start a node with the same model, or pass --prefill-peer HOST:PORT",
             )
-        return None, {"choice": "local", "reason": "no prefill peer"}
+        figures = None
+        if url is not None:
+            try:
+                # A named peer is used whatever the estimates say: no probe on its path.
+                probe = named is None and req.prefill != "local"
+                figures = await self._figures(url, peer, req, probe=probe)
+            except PeerUnavailable as exc:
+                log.warning("prefill peer %s unusable: %s", url, exc)
+                if named is None and req.prefill == "auto":
+                    url, unreachable = None, str(exc)
+                else:  # asked for: let the coordinator try it (and fall back if it must)
+                    figures = self._figures_without_link(peer, req)
+        mode = "remote" if named is not None and req.prefill != "local" else req.prefill
+        decision = policy.decide(prompt_len, figures, mode=mode).to_dict()
+        decision["mode"] = req.prefill
+        if named is not None and req.prefill != "local":
+            decision["reason"] = "prefill peer named in the request"
+        if unreachable is not None:
+            decision["reason"] = f"prefill peer unreachable: {unreachable}"
+        if url is not None:
+            decision["peer"] = {"url": url}
+        if peer is not None:
+            decision["peer"] |= {"name": peer.name, "node_id": peer.node_id,
+                                 "backend": peer.backend, "device": peer.device,
+                                 "source": peer.source}  # fmt: skip
+        decision["decided_in_s"] = time.perf_counter() - t0
+        return (url if decision["choice"] == "remote" else None), decision
+
+    def _figures_without_link(self, peer: PeerInfo | None, req: GenerateRequest):
+        return policy.figures_for(
+            local_prefill_tps=self.speeds.prefill_tps if self.speeds else None,
+            peer_prefill_tps=peer.prefill_tps if peer is not None else None,
+            link=None,
+            kv_bytes_per_token=policy.kv_bytes_per_token(
+                self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim, self.backend.dtype
+            ),
+            n_layers=self.spec.n_layers,
+            overlap=req.overlap,
+        )
+
+    async def _figures(
+        self, url: str, peer: PeerInfo | None, req: GenerateRequest, *, probe: bool = True
+    ) -> policy.Figures:
+        """The policy's inputs for the peer at `url`; probes the link the first time
+        (unless `probe` is False: then the link figures stay unknown)."""
+        link = self.links.get(url)
+        if link is None and not probe:
+            return self._figures_without_link(peer, req)
+        if link is None:
+            link = await probe_link(
+                self.session(), url, self.config.token, timeout=self.config.timeouts.connect
+            )
+            self.links[url] = link
+            self._refresh_info()
+        return dataclasses.replace(
+            self._figures_without_link(peer, req),
+            link_bytes_per_s=link.bytes_per_s,
+            round_trip_s=link.round_trip_s,
+            overhead_s=link.overhead_s,
+        )
+
+    def _learn(self, done: dict) -> None:
+        """After a request: learn the link from a remote transfer, and put the measured
+        TTFT next to the estimate in the report's decision."""
+        report = done.get("report") or {}
+        decision = report.get("decision")
+        if not isinstance(decision, dict):
+            return
+        peer = decision.get("peer")
+        url = peer.get("url") if isinstance(peer, dict) else peer
+        if decision.get("choice") == "remote" and isinstance(url, str):
+            learned = policy.link_from_report(
+                self.links.get(url), report, decision_s=decision.get("decided_in_s") or 0.0
+            )
+            if learned is not None:
+                self.links[url] = learned
+                self._refresh_info()
+        outcome = policy.with_outcome(decision, report)
+        report["decision"] = outcome
+        if isinstance(report.get("timeline"), dict):
+            report["timeline"]["decision"] = outcome
+
+    def _mdns_line(self) -> str:
+        adv = self.presence.advertiser
+        if adv is not None:
+            where = ", ".join(adv.addresses)
+            return f"mDNS: advertising {adv.service_name} on {where} port {adv.port}"
+        if not self.config.mdns:
+            return "mDNS: off (--no-mdns); peers: --peer / EXO_SPLIT_PEERS only"
+        return f"mDNS: not advertising ({self.presence.mdns_error}); use --peer HOST:PORT"
 
     def state(self) -> NodeState:
         return NodeState(
@@ -140,6 +307,8 @@ class Node:
             info=self.info(),
             busy={},
             stats={},
+            timeouts=self.config.timeouts,
+            die_after_layer=self.config.die_after_layer,
         )
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
@@ -161,6 +330,10 @@ class Node:
                 ) from exc
             port = site._server.sockets[0].getsockname()[1]
             url = f"http://{self.config.host}:{port}"
+            discovery_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+            await self.presence.start(port)  # advertised from here until the finally below
+            self._refresh_info()
+            self.progress(self._mdns_line())
             self.progress(
                 f"exo-split node ready: backend={self.backend.name} device={self.backend.device} "
                 f"dtype={self.backend.dtype} model={self.spec.name} "
@@ -168,14 +341,33 @@ class Node:
             )
             if self.config.ready_file:
                 self.config.ready_file.write_text(
-                    json.dumps({**self.info(), "url": url, "port": port})
+                    json.dumps(
+                        {**self.info(), "url": url, "port": port, "discovery_at": discovery_at}
+                    )
                 )
             await stop.wait()
             self.progress("exo-split node: shutting down")
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            await self.presence.stop()  # goodbye first: peers stop choosing us at once
             await runner.cleanup()
             if self._session is not None:
                 await self._session.close()
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Coordinator(Coordinator):
+    """The node's coordinator: hands each finished request's `done` event to `on_done`
+    (the node learns the link and records the measured TTFT) before it is sent."""
+
+    on_done: Callable[[dict], None] | None = None
+
+    async def generate(self, *args, **kwargs) -> dict:
+        done = await super().generate(*args, **kwargs)
+        if self.on_done is not None:
+            try:
+                self.on_done(done)
+            except Exception:  # bookkeeping must never fail a finished request
+                log.exception("learning from a finished request failed")
+        return done

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,13 +17,38 @@ import aiohttp
 TOKEN = "test-token-0123456789"
 
 
+# Measured node speeds are cached here, not in the user's ~/.cache (capabilities.py).
+CACHE = Path(tempfile.gettempdir()) / f"exo-split-test-cache-{os.getuid()}"
+
+
 class NodeProcess:
-    def __init__(self, model_dir, backend: str, workdir: Path, *extra: str, token=TOKEN, env=None):
+    """`exo-split node` as a child process. By default on 127.0.0.1 with --no-mdns: a node in
+    the host's network namespace must never send multicast. `mdns=True` only together with
+    `prefix` = `ns_exec_prefix(ns)` of a namespace the test created (tests/netns.py)."""
+
+    def __init__(
+        self,
+        model_dir,
+        backend: str,
+        workdir: Path,
+        *extra: str,
+        token=TOKEN,
+        env=None,
+        mdns: bool = False,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] | list[str] = (),
+    ):
+        if mdns and not prefix:
+            raise ValueError("mdns=True needs prefix=ns_exec_prefix(ns): never from the host")
+        self.host = host
         self.ready_file = workdir / f"ready-{backend}-{time.monotonic_ns()}.json"
         self.log_file = workdir / f"node-{backend}-{time.monotonic_ns()}.log"
-        cmd = [sys.executable, "-m", "exo_split", "node", "--model", str(model_dir),
-               "--backend", backend, "--port", "0", "--ready-file", str(self.ready_file), *extra]  # fmt: skip
-        full_env = {**os.environ, "EXO_SPLIT_TOKEN": token, **(env or {})}
+        where = ["--host", host] + ([] if mdns else ["--no-mdns"])
+        cmd = [*prefix, sys.executable, "-m", "exo_split", "node", "--model", str(model_dir),
+               "--backend", backend, "--port", "0", "--ready-file", str(self.ready_file),
+               *where, *extra]  # fmt: skip
+        full_env = {**os.environ, "EXO_SPLIT_TOKEN": token, "EXO_SPLIT_CACHE": str(CACHE),
+                    **(env or {})}  # fmt: skip
         self._log = open(self.log_file, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         self.info: dict = {}
@@ -40,7 +66,8 @@ class NodeProcess:
 
     @property
     def addr(self) -> str:
-        return f"127.0.0.1:{self.info['port']}"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"[{host}]:{self.info['port']}" if ":" in host else f"{host}:{self.info['port']}"
 
     @property
     def url(self) -> str:

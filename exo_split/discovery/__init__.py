@@ -1,9 +1,11 @@
 """Finding the other node: mDNS (mdns.py) with a static `--peer host:port` fallback
-(static.py); both yield `PeerInfo`, merged and assigned roles in peers.py.
+(static.py); both yield `PeerInfo`, merged and assigned roles in peers.py; find.py runs
+both at once for the CLI.
 
 No torch or mlx here: this package imports on any machine.
 """
 
+from .find import NO_PEERS_HINT, Found, find_peers
 from .mdns import (
     SERVICE_TYPE,
     TXT_KEYS,
@@ -16,7 +18,16 @@ from .mdns import (
     node_txt,
     open_zeroconf,
 )
-from .peers import NodeInfo, PeerInfo, choose_roles, merge_peers, new_node_id
+from .peers import (
+    NodeInfo,
+    PeerInfo,
+    choose_pair,
+    choose_roles,
+    format_url,
+    merge_peers,
+    new_node_id,
+    prefill_candidates,
+)
 from .static import (
     ENV_VAR,
     PeerAddress,
@@ -30,11 +41,13 @@ from .static import (
 
 __all__ = [
     "ENV_VAR",
+    "NO_PEERS_HINT",
     "SERVICE_TYPE",
     "TXT_KEYS",
     "Advertiser",
     "Browser",
     "DiscoveryError",
+    "Found",
     "NodeInfo",
     "PeerAddress",
     "PeerInfo",
@@ -42,7 +55,10 @@ __all__ = [
     "StaticProbe",
     "browse",
     "check_txt",
+    "choose_pair",
     "choose_roles",
+    "find_peers",
+    "format_url",
     "merge_peers",
     "new_node_id",
     "node_from_txt",
@@ -51,5 +67,6 @@ __all__ = [
     "parse_peer",
     "parse_peers",
     "peers_from_env",
+    "prefill_candidates",
     "probe_static",
 ]

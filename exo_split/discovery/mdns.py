@@ -191,6 +191,37 @@ def local_addresses() -> list[str]:
     return list(dict.fromkeys(str(a.ip) for a in chosen))
 
 
+def interface_addresses(items: Sequence[str]) -> list[str]:
+    """`--interface` values as addresses: an IP address stays as it is; an interface name
+    (en0, eth0) becomes its IPv4 and routable IPv6 addresses. ValueError names what is
+    unknown and lists the interfaces there are."""
+    out: list[str] = []
+    adapters = None
+    for item in items:
+        try:
+            ipaddress.ip_address(_strip_zone(item))
+            out.append(item)
+            continue
+        except ValueError:
+            pass
+        adapters = adapters if adapters is not None else ifaddr.get_adapters()
+        match = next((a for a in adapters if item in (a.nice_name, a.name)), None)
+        if match is None:
+            names = ", ".join(sorted({a.nice_name for a in adapters}))
+            raise ValueError(f"no interface or address {item!r} here (interfaces: {names})")
+        found = []
+        for ip in match.ips:
+            addr = ipaddress.ip_address(
+                _strip_zone(ip.ip[0] if isinstance(ip.ip, tuple) else ip.ip)
+            )
+            if not addr.is_link_local:
+                found.append(str(addr))
+        if not found:
+            raise ValueError(f"interface {item!r} has no usable IPv4 or IPv6 address")
+        out.extend(sorted(found, key=lambda a: ":" in a))
+    return list(dict.fromkeys(out))
+
+
 def open_zeroconf(interfaces: Sequence[str] | None = None) -> AsyncZeroconf:
     """A zeroconf instance on the running loop (call from a coroutine: no thread), to share
     between an Advertiser and a Browser; the caller closes it (`await zc.async_close()`).

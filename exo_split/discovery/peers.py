@@ -16,7 +16,7 @@ from typing import Any
 from exo_split import PROTOCOL_VERSION
 
 BACKENDS = ("torch", "mlx")
-DEVICES = ("cuda", "metal", "cpu")
+DEVICES = ("cuda", "metal", "mps", "cpu")
 ROLES = ("prefill", "decode")
 SOURCES = ("mdns", "static", "both")
 
@@ -274,3 +274,55 @@ def choose_roles(
         return _share(p.prefill_tps, best_p.prefill_tps) + _share(d.decode_tps, best_d.decode_tps)
 
     return max(options, key=score)  # max keeps the first of equals: prefill wins a tie
+
+
+def prefill_candidates(
+    peers: Iterable[PeerInfo],
+    fingerprint: str,
+    *,
+    exclude: Iterable[str] = (),
+    protocol: int | None = PROTOCOL_VERSION,
+) -> list[PeerInfo]:
+    """The peers that can prefill for `fingerprint` (and `protocol`), best first (the
+    ranking of choose_roles), leaving out the node ids in `exclude` (e.g. our own)."""
+    skip = set(exclude)
+    usable = (
+        p
+        for p in peers
+        if p.node_id not in skip
+        and p.fingerprint == fingerprint
+        and (protocol is None or p.protocol == protocol)
+        and "prefill" in p.roles
+    )
+    return sorted(usable, key=_prefill_rank)
+
+
+def choose_pair(
+    peers: Iterable[PeerInfo], *, fingerprint: str | None = None
+) -> tuple[str, PeerInfo | None, PeerInfo | None]:
+    """(fingerprint, prefill peer, decode peer) when no node was named.
+
+    The model is `fingerprint` (a prefix is enough), else the one served by the most nodes,
+    preferring a model that two different nodes serve. ValueError when nothing matches, or
+    when two models are equally good candidates: the message lists them.
+    """
+    peers = [p for p in peers if p.protocol == PROTOCOL_VERSION]
+    models: dict[str, list[PeerInfo]] = {}
+    for p in peers:
+        if fingerprint is None or p.fingerprint.startswith(fingerprint):
+            models.setdefault(p.fingerprint, []).append(p)
+    if not models:
+        wanted = f" serving fingerprint {fingerprint}" if fingerprint else ""
+        raise ValueError(f"no node{wanted} found among {len(peers)} peer(s)")
+
+    def score(fp: str) -> tuple[bool, int]:
+        prefill, decode = choose_roles(models[fp], fp)
+        split = prefill is not None and decode is not None and prefill.node_id != decode.node_id
+        return split, len(models[fp])
+
+    ranked = sorted(models, key=score, reverse=True)
+    if len(ranked) > 1 and score(ranked[0]) == score(ranked[1]):
+        listed = ", ".join(f"{models[fp][0].model} ({fp[:12]})" for fp in ranked)
+        raise ValueError(f"nodes serve several models equally: {listed}; name one")
+    best = ranked[0]
+    return (best, *choose_roles(models[best], best))
