@@ -26,7 +26,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from exo_split import __version__, cli_demo, cli_split
+from exo_split import __version__, cli_demo, cli_report, cli_split
 from exo_split.backends import BACKENDS, Backend, load_backend
 from exo_split.errors import ExoSplitError, IncompatiblePeer
 from exo_split.fidelity import CheckReport, run_check
@@ -338,7 +338,10 @@ COMMANDS = (
     _add_check,
     cli_split.add_node,
     cli_split.add_split_generate,
+    cli_split.add_nodes,
     cli_demo.add_demo,
+    cli_report.add_report,
+    cli_report.add_bench,
 )
 
 

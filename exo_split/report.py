@@ -2,9 +2,9 @@
 
 Pure functions over plain numbers (no torch, mlx or aiohttp). The node code fills a `Timeline`
 with raw clock stamps: per-piece `compute_done`/`sent` and `prefill_start`/`prefill_end` on the
-prefill node's clock, everything else on the decode node's. `build_report` maps the prefill clock
-onto the decode clock (request round trip, midpoint) and computes the figures defined in
-docs/metrics.md. The HTML page is in report_html.py.
+prefill node's clock (and the optional per-piece `send_start`), everything else on the decode
+node's. `build_report` maps the prefill clock onto the decode clock (request round trip, midpoint)
+and computes the figures defined in docs/metrics.md. The HTML page is in report_html.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class LayerTiming:
     sent: float  # prefill clock: the piece's last byte handed to the socket
     received: float  # decode clock: the piece's last byte arrived
     injected: float  # decode clock: the piece is in the decode cache
+    send_start: float | None = None  # prefill clock: first byte handed to the socket, if known
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,10 @@ class HandoffReport:
     prefill_compute_s: float
     prefill_tokens_per_s: float | None
     kv_bytes: int
-    wire_time_s: float | None  # sum over pieces of received - sent
-    transfer_span_s: float | None  # first piece sent -> last piece received
+    wire_time_s: float | None  # sum over pieces of their wire_intervals
+    transfer_span_s: float | None  # first piece on the wire -> last piece received
     achieved_gbps: float | None  # kv_bytes / transfer_span_s, decimal GB/s
-    layer_wire_s: float | None  # median over layers of the layer's received - sent
+    layer_wire_s: float | None  # median over layers of the layer's time on the wire
     exposed_handoff_s: float | None  # last piece injected - prefill_end
     handoff_target_s: float | None  # TARGET_FACTOR * layer_wire_s + TARGET_SLACK_S
     hidden_fraction: float | None  # share of the wire intervals before prefill_end
@@ -161,6 +162,7 @@ class Comparison:
     rows: tuple[ComparisonRow, ...]
     t_ideal_s: float | None  # pipelined lower bound of prefill_to_injected_s for "overlap"
     overlap_efficiency: float | None
+    link_gbps: float | None = None  # the link rate T_ideal assumes (the sequential run's)
 
 
 # ---- figures ----------------------------------------------------------------------------------
@@ -237,13 +239,35 @@ def hidden_fraction(intervals: Sequence[tuple[float, float]], cut: float) -> flo
     return sum(max(0.0, min(end, cut) - start) for start, end in merged) / total
 
 
+def wire_intervals(pieces: Sequence[LayerTiming]) -> list[tuple[float, float]]:
+    """[on the wire from, received] of each piece (same clock for all stamps), in input order.
+
+    A piece is on the wire from its first byte handed to the socket (`send_start`; without it,
+    the last byte, `sent`), but not before the piece ahead of it on the connection has arrived:
+    the stream is FIFO, so the link carries one piece at a time and the intervals never overlap.
+    """
+    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(pieces)
+    ahead = -math.inf
+    for i in sorted(range(len(pieces)), key=lambda i: pieces[i].received):
+        p = pieces[i]
+        start = p.send_start if p.send_start is not None else p.sent
+        out[i] = (min(max(start, ahead), p.received), p.received)
+        ahead = p.received
+    return out
+
+
+def _to_decode_clock(p: LayerTiming, offset: float) -> LayerTiming:
+    send_start = None if p.send_start is None else p.send_start - offset
+    return replace(
+        p, compute_done=p.compute_done - offset, sent=p.sent - offset, send_start=send_start
+    )
+
+
 def build_report(tl: Timeline) -> HandoffReport:
     offset, uncertainty = clock_offset(tl.clock) if tl.clock else (0.0, None)
     local = tl.mode == "local"
     shift = 0.0 if local else offset
-    pieces = tuple(
-        replace(p, compute_done=p.compute_done - offset, sent=p.sent - offset) for p in tl.layers
-    )
+    pieces = tuple(_to_decode_clock(p, offset) for p in tl.layers)
     prefill_start, prefill_end = tl.prefill_start - shift, tl.prefill_end - shift
     if tl.client_ttft_s is not None:
         ttft, ttft_source = tl.client_ttft_s, "client"
@@ -257,18 +281,19 @@ def build_report(tl: Timeline) -> HandoffReport:
     wire = span = gbps = layer_wire = exposed = target = hidden = to_injected = None
     kv_bytes = sum(p.nbytes for p in pieces)
     if pieces:
-        wire = sum(p.received - p.sent for p in pieces)
-        span = max(p.received for p in pieces) - min(p.sent for p in pieces)
+        intervals = wire_intervals(pieces)
+        wire = sum(end - start for start, end in intervals)
+        span = max(p.received for p in pieces) - min(start for start, _ in intervals)
         gbps = kv_bytes / span / 1e9 if span > 0 else None
         per_layer: dict[int, float] = {}
-        for p in pieces:
-            per_layer[p.layer] = per_layer.get(p.layer, 0.0) + (p.received - p.sent)
+        for p, (start, end) in zip(pieces, intervals, strict=True):
+            per_layer[p.layer] = per_layer.get(p.layer, 0.0) + (end - start)
         layer_wire = statistics.median(per_layer.values())
         if not local:
             last_injected = max(p.injected for p in pieces)
             exposed = last_injected - prefill_end
             target = TARGET_FACTOR * layer_wire + TARGET_SLACK_S
-            hidden = hidden_fraction([(p.sent, p.received) for p in pieces], prefill_end)
+            hidden = hidden_fraction(intervals, prefill_end)
             to_injected = last_injected - prefill_start
     return HandoffReport(
         timeline=tl,
@@ -324,17 +349,36 @@ def time_span(report: HandoffReport) -> tuple[float, float]:
     return start, end
 
 
-def _measured_ideal(overlap: HandoffReport, link_bytes_per_s: float) -> float:
-    """T_ideal for the pieces of an overlap run, at a link rate measured elsewhere."""
-    starts = piece_starts(overlap)
-    compute = [p.compute_done - c for p, (c, _) in zip(overlap.pieces, starts, strict=True)]
-    inject = statistics.median(
-        p.injected - i for p, (_, i) in zip(overlap.pieces, starts, strict=True)
+def piece_compute_s(report: HandoffReport) -> list[float]:
+    """Each piece's compute time (previous piece done -> this one done), in `pieces` order."""
+    starts = piece_starts(report)
+    return [p.compute_done - c for p, (c, _) in zip(report.pieces, starts, strict=True)]
+
+
+def median_inject_s(report: HandoffReport) -> float:
+    """The median time one piece takes to inject (from arrival or the previous injection)."""
+    starts = piece_starts(report)
+    return statistics.median(
+        p.injected - i for p, (_, i) in zip(report.pieces, starts, strict=True)
     )
-    order = sorted(range(len(compute)), key=lambda i: overlap.pieces[i].compute_done)
+
+
+def measured_ideal(
+    report: HandoffReport, link_bytes_per_s: float, inject_per_piece_s: float | None = None
+) -> float:
+    """T_ideal for the pieces of a run (their measured compute times and bytes) at a link rate
+    measured elsewhere; each piece injects in `inject_per_piece_s` (default: the run's median).
+
+    Take the compute times from a sequential run: in an overlapped run on a slow link the
+    bounded send queue fills and blocks the compute thread, and those stalls would count as
+    compute, raising the bound to meet the run.
+    """
+    compute = piece_compute_s(report)
+    inject = median_inject_s(report) if inject_per_piece_s is None else inject_per_piece_s
+    order = sorted(range(len(compute)), key=lambda i: report.pieces[i].compute_done)
     return ideal_pipelined_time(
         [compute[i] for i in order],
-        [overlap.pieces[i].nbytes for i in order],
+        [report.pieces[i].nbytes for i in order],
         link_bytes_per_s,
         inject,
     )
@@ -357,16 +401,18 @@ def compare(reports: Mapping[str, HandoffReport]) -> Comparison:
         )
         for name, r in reports.items()
     )
-    t_ideal = efficiency = None
+    t_ideal = efficiency = link = None
     ovl, seq = reports.get("overlap"), reports.get("sequential")
-    # A sequential run sends back to back, so its achieved rate is the link's rate.
+    # A sequential run sends back to back, so its achieved rate is the link's rate; and it holds
+    # its pieces until the prefill is done, so nothing stalls its compute (measured_ideal).
     if ovl and seq and ovl.pieces and ovl.prefill_to_injected_s is not None and seq.achieved_gbps:
-        t_ideal = _measured_ideal(ovl, seq.achieved_gbps * 1e9)
+        link = seq.achieved_gbps
+        t_ideal = measured_ideal(seq, link * 1e9, median_inject_s(ovl))
         if seq.prefill_to_injected_s is not None:
             efficiency = overlap_efficiency(
                 seq.prefill_to_injected_s, ovl.prefill_to_injected_s, t_ideal
             )
-    return Comparison(dict(reports), rows, t_ideal, efficiency)
+    return Comparison(dict(reports), rows, t_ideal, efficiency, link)
 
 
 # ---- JSON -------------------------------------------------------------------------------------
@@ -384,6 +430,7 @@ def to_json(obj: HandoffReport | Comparison) -> dict[str, Any]:
             "rows": [asdict(row) for row in obj.rows],
             "t_ideal_s": obj.t_ideal_s,
             "overlap_efficiency": obj.overlap_efficiency,
+            "link_gbps": obj.link_gbps,
             "reports": {name: to_json(r) for name, r in obj.reports.items()},
         }
     tl = obj.timeline
@@ -407,10 +454,16 @@ def to_json(obj: HandoffReport | Comparison) -> dict[str, Any]:
             "prefill_end": rel(obj.prefill_end),
             "first_token": rel(tl.first_token),
         },
-        "layers": [{**asdict(p), **{k: rel(getattr(p, k)) for k in _STAMPS}} for p in obj.pieces],
+        "layers": [_piece_json(p, rel) for p in obj.pieces],
         "token_times": [rel(t) for t in tl.token_times],
         "timeline": tl.to_dict(),
     }
+
+
+def _piece_json(p: LayerTiming, rel) -> dict[str, Any]:
+    d = {**asdict(p), **{k: rel(getattr(p, k)) for k in _STAMPS}}
+    d["send_start"] = None if p.send_start is None else rel(p.send_start)
+    return d
 
 
 def _check_schema(d: Mapping[str, Any], expected: str) -> None:
@@ -420,17 +473,27 @@ def _check_schema(d: Mapping[str, Any], expected: str) -> None:
 
 def _read(src: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(src, Mapping):
-        return src
+        return _unwrap(src)
     text = Path(src).read_text()
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except json.JSONDecodeError:
         # Captured `--json` stdout: the last non-empty line is the document.
         lines = [line for line in text.splitlines() if line.strip()]
         try:
-            return json.loads(lines[-1])
+            doc = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError) as exc:
             raise ValueError(f"{src}: expected a JSON report (or one as last line)") from exc
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"{src}: expected a JSON object, got {type(doc).__name__}")
+    return _unwrap(doc)
+
+
+def _unwrap(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`split-generate --json` prints {tokens, text, prompt_tokens, report}: take the report."""
+    if "schema" not in d and isinstance(d.get("report"), Mapping):
+        return d["report"]
+    return d
 
 
 def load_report(src: str | os.PathLike | Mapping[str, Any]) -> HandoffReport:
@@ -445,6 +508,12 @@ def load_comparison(src: str | os.PathLike | Mapping[str, Any]) -> Comparison:
     d = _read(src)
     _check_schema(d, COMPARISON_SCHEMA)
     return compare({name: load_report(r) for name, r in d["reports"].items()})
+
+
+def load(src: str | os.PathLike | Mapping[str, Any]) -> HandoffReport | Comparison:
+    """A report or a comparison, whichever the document is."""
+    d = _read(src)
+    return load_comparison(d) if d.get("schema") == COMPARISON_SCHEMA else load_report(d)
 
 
 # ---- terminal ---------------------------------------------------------------------------------
@@ -465,7 +534,8 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "—" if x is None else f"{x:{spec}}{suffix}"
 
 
-def _render(renderable: Any, width: int) -> str:
+def render_rich(renderable: Any, width: int) -> str:
+    """A rich renderable as plain text (no colour), lines right-stripped."""
     console = Console(
         file=io.StringIO(), width=width, color_system=None, highlight=False, emoji=False
     )
@@ -538,7 +608,7 @@ def render_terminal(report: HandoffReport, *, width: int = 100) -> str:
         ]
         table.add_row(*(Text(c) for c in cells))
     return "\n".join(
-        [_render(table, width), *_notes(tl, width), render_text_timeline(report, width=width)]
+        [render_rich(table, width), *_notes(tl, width), render_text_timeline(report, width=width)]
     )
 
 
@@ -571,15 +641,16 @@ def render_text_timeline(report: HandoffReport, *, width: int = 100) -> str:
         row[first:last] = glyph * (last - first)
 
     starts = piece_starts(report)
+    wires = wire_intervals(pieces)
     segments = (  # drawn in this order: later glyphs win where they share a cell
-        (QUEUED, lambda p, c, i: (p.compute_done, p.sent)),
-        (COMPUTE, lambda p, c, i: (c, p.compute_done)),
-        (WIRE, lambda p, c, i: (p.sent, p.received)),
-        (INJECT, lambda p, c, i: (i, p.injected)),
+        (QUEUED, lambda p, c, i, w: (p.compute_done, w[0])),
+        (COMPUTE, lambda p, c, i, w: (c, p.compute_done)),
+        (WIRE, lambda p, c, i, w: w),
+        (INJECT, lambda p, c, i, w: (i, p.injected)),
     )
     for glyph, interval in segments:
-        for p, (compute_from, inject_from) in zip(pieces, starts, strict=True):
-            draw(rows[p.layer // per_row], *interval(p, compute_from, inject_from), glyph)
+        for p, (compute_from, inject_from), wire in zip(pieces, starts, wires, strict=True):
+            draw(rows[p.layer // per_row], *interval(p, compute_from, inject_from, wire), glyph)
     cut = min(bar_w - 1, max(0, math.floor((report.prefill_end - start) * scale)))
     for row in rows:
         if row[cut] == " ":
@@ -591,7 +662,7 @@ def render_text_timeline(report: HandoffReport, *, width: int = 100) -> str:
     lines += _axis(label_w, bar_w, start - report.t0, end - report.t0, cut)
     origin = "request arrived" if report.timeline.client_sent is not None else "prefill start"
     legend = [
-        f"{COMPUTE} compute  {QUEUED} computed→sent  {WIRE} sent→received  {INJECT} inject  "
+        f"{COMPUTE} compute  {QUEUED} computed→on the wire  {WIRE} on the wire  {INJECT} inject  "
         f"{PREFILL_DONE} prefill done",
         f"axis: ms since {origin}; 1 column = {(end - start) / bar_w * 1e3:.3g} ms"
         + (f"; {per_row} layers per row" if per_row > 1 else ""),
@@ -611,24 +682,41 @@ def _axis(label_w: int, bar_w: int, t_start: float, t_end: float, mark: int) -> 
     return [" " * label_w + "".join(rule), " " * label_w + "".join(text).rstrip()]
 
 
+# "speedup": the local run's TTFT / this run's; "→ injected": prefill start -> last layer injected.
+COMPARISON_COLUMNS = (
+    "run", "TTFT", "speedup", "exposed handoff", "hidden", "prefill", "→ injected"
+)  # fmt: skip
+
+
+def comparison_cells(row: ComparisonRow) -> list[str]:
+    """The formatted cells of one row, after the name (COMPARISON_COLUMNS)."""
+    return [
+        fmt_ms(row.ttft_s),
+        _fmt(row.speedup_vs_local, ".2f", "×"),
+        fmt_ms(row.exposed_handoff_s),
+        _fmt(row.hidden_fraction, ".1%"),
+        fmt_ms(row.prefill_compute_s),
+        fmt_ms(row.prefill_to_injected_s),
+    ]
+
+
 def render_comparison(comparison: Comparison, *, width: int = 100) -> str:
-    table = Table(title="exo-split · compare", box=box.SIMPLE_HEAD)
-    for name in ("run", "TTFT", "speedup vs local", "exposed handoff", "hidden", "prefill"):
+    table = Table(title="exo-split · compare", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in COMPARISON_COLUMNS:
         table.add_column(name, justify="left" if name == "run" else "right")
     for row in comparison.rows:
-        table.add_row(
-            Text(row.name),
-            fmt_ms(row.ttft_s),
-            _fmt(row.speedup_vs_local, ".2f", "×"),
-            fmt_ms(row.exposed_handoff_s),
-            _fmt(row.hidden_fraction, ".1%"),
-            fmt_ms(row.prefill_compute_s),
-        )
-    lines = [_render(table, width)]
+        table.add_row(Text(row.name), *comparison_cells(row))
+    lines = [render_rich(table, width), "speedup: the local run's TTFT / the run's; → injected: "
+             "prefill start → last layer injected"]  # fmt: skip
     if comparison.t_ideal_s is not None:
+        link = _fmt(comparison.link_gbps, ".3f", " GB/s")
         lines.append(
-            f"overlap efficiency {_fmt(comparison.overlap_efficiency, '.1%')}"
-            f" (T_ideal {fmt_ms(comparison.t_ideal_s)}, prefill start → last layer injected)"
+            textwrap.fill(
+                f"overlap efficiency {_fmt(comparison.overlap_efficiency, '.1%')}: T_ideal "
+                f"{fmt_ms(comparison.t_ideal_s)} (prefill start → last layer injected, at the "
+                f"sequential run's {link})",
+                width,
+            )
         )
     for row in comparison.rows:
         if row.fallback:

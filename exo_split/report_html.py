@@ -11,14 +11,17 @@ import math
 from html import escape
 
 from exo_split.report import (
+    COMPARISON_COLUMNS,
     Comparison,
     HandoffReport,
+    comparison_cells,
     decision_text,
     figure_pairs,
     fmt_bytes,
     fmt_ms,
     piece_starts,
     time_span,
+    wire_intervals,
 )
 
 WIDTH, LEFT, RIGHT = 1120, 70, 20  # px: whole SVG, label gutter, right margin
@@ -94,20 +97,23 @@ def _timeline_svg(
     out = _axis(x_of, t_from, t_to, top - 6, rows_bottom - top + 6)
     out.append(f'<text x="{LEFT}" y="12">ms since {escape(_origin(r))} (decode clock)</text>')
     rows: dict[int, list[str]] = {layer: [] for layer in range(n_rows)}
-    for p, (compute_from, inject_from) in zip(pieces, piece_starts(r), strict=True):
+    starts, wires = piece_starts(r), wire_intervals(pieces)
+    for p, (compute_from, inject_from), (on_wire, _) in zip(pieces, starts, wires, strict=True):
         y = top + p.layer * row_h + 2
         what = f"layer {p.layer}, tokens {p.token_start}–{p.token_start + p.n_tokens - 1}"
-        wire = p.received - p.sent
+        wire = p.received - on_wire
         rate = f", {p.nbytes / wire / 1e9:.2f} GB/s" if wire > 0 else ""
+        socket = f"{ms(p.send_start):.3f}–" if p.send_start is not None else "last byte at "
         rows[p.layer] += [
             bar("compute", compute_from, p.compute_done, y,
                 f"{what}: compute {fmt_ms(p.compute_done - compute_from, 3)}, "
                 f"done at {ms(p.compute_done):.3f} ms"),
-            bar("queued", p.compute_done, p.sent, y + lane,
-                f"{what}: computed → last byte handed to socket {fmt_ms(p.sent - p.compute_done, 3)}"),
-            bar("wire", p.sent, p.received, y + lane,
-                f"{what}: {fmt_bytes(p.nbytes)} sent {ms(p.sent):.3f} ms → received "
-                f"{ms(p.received):.3f} ms, {fmt_ms(wire, 3)} on the wire{rate}"),
+            bar("queued", p.compute_done, on_wire, y + lane,
+                f"{what}: computed → on the wire {fmt_ms(on_wire - p.compute_done, 3)}"),
+            bar("wire", on_wire, p.received, y + lane,
+                f"{what}: {fmt_bytes(p.nbytes)} sent {ms(on_wire):.3f} ms → received "
+                f"{ms(p.received):.3f} ms, {fmt_ms(wire, 3)} on the wire{rate}; handed to the "
+                f"socket {socket}{ms(p.sent):.3f} ms"),
             bar("inject", inject_from, p.injected, y + 2 * lane,
                 f"{what}: injected at {ms(p.injected):.3f} ms "
                 f"(took {fmt_ms(p.injected - inject_from, 3)})"),
@@ -203,8 +209,8 @@ def _figures_table(r: HandoffReport) -> str:
 def _legend() -> str:
     items = [
         ("compute", "compute (previous piece done → this piece done)"),
-        ("queued", "computed → last byte handed to socket"),
-        ("wire", "sent → received"),
+        ("queued", "computed → on the wire"),
+        ("wire", "on the wire → received"),
         ("inject", "inject"),
         ("prefill", "prefill done (dashed)"),
         ("token", "tokens / first token"),
@@ -232,31 +238,20 @@ def _section(
 
 
 def _comparison_table(c: Comparison) -> str:
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("run", "TTFT", "speedup vs local", "exposed handoff", "hidden", "prefill")
-    )
+    head = "".join(f"<th>{escape(h)}</th>" for h in COMPARISON_COLUMNS)
     rows = [
         "<tr>"
-        + "".join(
-            f"<td>{escape(v)}</td>"
-            for v in (
-                row.name,
-                fmt_ms(row.ttft_s),
-                "—" if row.speedup_vs_local is None else f"{row.speedup_vs_local:.2f}×",
-                fmt_ms(row.exposed_handoff_s),
-                "—" if row.hidden_fraction is None else f"{row.hidden_fraction:.1%}",
-                fmt_ms(row.prefill_compute_s),
-            )
-        )
+        + "".join(f"<td>{escape(v)}</td>" for v in (row.name, *comparison_cells(row)))
         + "</tr>"
         for row in c.rows
     ]
     note = ""
     if c.t_ideal_s is not None:
         eff = "—" if c.overlap_efficiency is None else f"{c.overlap_efficiency:.1%}"
+        link = "" if c.link_gbps is None else f" at the sequential run's {c.link_gbps:.3f} GB/s"
         note = (
-            f'<p class="note">overlap efficiency {eff} (T_ideal {escape(fmt_ms(c.t_ideal_s))})</p>'
+            f'<p class="note">overlap efficiency {eff}: T_ideal {escape(fmt_ms(c.t_ideal_s))} '
+            f"(prefill start → last layer injected{link})</p>"
         )
     return f'<table class="comparison"><tr>{head}</tr>{"".join(rows)}</table>{note}'
 

@@ -8,6 +8,7 @@ compute, and each piece spends 10 ms on the wire and 1 ms to inject.
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -21,13 +22,16 @@ from exo_split.report import (
     compare,
     hidden_fraction,
     ideal_pipelined_time,
+    load,
     load_comparison,
     load_report,
+    measured_ideal,
     overlap_efficiency,
     percentile,
     render_comparison,
     render_terminal,
     to_json,
+    wire_intervals,
 )
 
 OFFSET = 100.0  # prefill clock = decode clock + OFFSET
@@ -220,20 +224,62 @@ def test_sequential_handoff_hides_nothing():
     assert r.meets_handoff_target is False
 
 
-def test_partially_overlapped_handoff():
-    # The link is slower than compute: each piece takes 20 ms, so transfers pile up past
-    # prefill_end (50 ms). Wire intervals [20,40] [30,50] [40,60] [50,70] ms: union [20,70].
-    tl = overlap_timeline()
+def link_bound_timeline(**overrides) -> Timeline:
+    """The link is slower than compute: 20 ms per piece. Pieces are computed at 20, 30, 40,
+    50 ms and handed to the socket at once (send_start); the socket buffer takes each whole
+    piece within 1 ms (sent), but they arrive 20 ms apart: at 40, 60, 80, 100 ms."""
     pieces = tuple(
-        LayerTiming(p.layer, 0, 1000, MB, p.compute_done, p.sent, p.received + 0.010,
-                    p.received + 0.011)
-        for p in tl.layers
+        LayerTiming(i, 0, 1000, MB, OFFSET + 0.010 * (i + 2), OFFSET + 0.010 * (i + 2) + 0.001,
+                    0.040 + 0.020 * i, 0.041 + 0.020 * i, send_start=OFFSET + 0.010 * (i + 2))
+        for i in range(4)
     )  # fmt: skip
-    r = build_report(overlap_timeline(layers=pieces))
-    assert r.hidden_fraction == pytest.approx(30 / 50)
-    assert r.wire_time_s == pytest.approx(0.080)  # the sum counts overlapping intervals twice
-    assert r.transfer_span_s == pytest.approx(0.050)
-    assert r.exposed_handoff_s == pytest.approx(0.021)
+    return overlap_timeline(layers=pieces, **overrides)
+
+
+def test_partially_overlapped_handoff():
+    # On the wire (FIFO: a piece starts once the one ahead has arrived): [20,40] [40,60]
+    # [60,80] [80,100] ms; prefill ends at 50 ms.
+    r = build_report(link_bound_timeline())
+    assert r.hidden_fraction == pytest.approx(30 / 80)
+    assert r.wire_time_s == pytest.approx(0.080)
+    assert r.transfer_span_s == pytest.approx(0.080)
+    assert r.achieved_gbps == pytest.approx(4 * MB / 0.080 / 1e9)
+    assert r.layer_wire_s == pytest.approx(0.020)
+    assert r.exposed_handoff_s == pytest.approx(0.051)
+
+
+def flat(pairs) -> list[float]:
+    return [t for pair in pairs for t in pair]
+
+
+def test_wire_intervals_are_fifo():
+    def piece(sent, received, send_start=None):
+        return LayerTiming(0, 0, 1, 1, 0.0, sent, received, received, send_start)
+
+    # Without send_start a piece is on the wire from its last byte handed over (sent), and
+    # never before the piece ahead of it arrived; order is arrival order, whatever the input.
+    pieces = [piece(0.030, 0.060), piece(0.010, 0.040), piece(0.070, 0.075)]
+    assert flat(wire_intervals(pieces)) == pytest.approx([0.040, 0.060, 0.010, 0.040,
+                                                          0.070, 0.075])  # fmt: skip
+    # With send_start the piece's whole transmission counts, still FIFO.
+    pieces = [piece(0.035, 0.040, 0.020), piece(0.045, 0.070, 0.030)]
+    assert flat(wire_intervals(pieces)) == pytest.approx([0.020, 0.040, 0.040, 0.070])
+    # Clock error can put the start after the arrival: the interval is empty, not negative.
+    assert flat(wire_intervals([piece(0.050, 0.040, 0.045)])) == pytest.approx([0.040, 0.040])
+    assert wire_intervals([]) == []
+
+
+def test_send_start_counts_the_whole_transmission():
+    """`sent` alone undercounts a big piece: the socket buffer took it late, so
+    received - sent is only the buffer's drain. send_start recovers the full 20 ms."""
+    tl = link_bound_timeline()
+    late = tuple(replace(p, sent=OFFSET + (p.received - 0.005)) for p in tl.layers)
+    without = build_report(replace(tl, layers=tuple(replace(p, send_start=None) for p in late)))
+    honest = build_report(replace(tl, layers=late))
+    assert without.layer_wire_s == pytest.approx(0.005)
+    assert honest.layer_wire_s == pytest.approx(0.020)
+    assert honest.transfer_span_s == pytest.approx(0.080)
+    assert honest.pieces[0].send_start == pytest.approx(0.020)  # mapped to the decode clock
 
 
 def test_hidden_fraction_merges_intervals():
@@ -364,8 +410,10 @@ def test_to_json_schema():
     assert doc["events"]["prefill_end"] == pytest.approx(0.050)
     first = doc["layers"][0]
     assert list(first) == [
-        "layer", "token_start", "n_tokens", "nbytes", "compute_done", "sent", "received", "injected"
+        "layer", "token_start", "n_tokens", "nbytes", "compute_done", "sent", "received",
+        "injected", "send_start",
     ]  # fmt: skip
+    assert first["send_start"] is None  # not stamped by this (older) peer
     assert [first[k] for k in ("compute_done", "sent", "received", "injected")] == pytest.approx(
         [0.020, 0.020, 0.030, 0.031]
     )
@@ -468,3 +516,64 @@ def test_render_comparison():
     for figure in ("overlap", "sequential", "local", "2.00×", "1.33×", "11.0 ms", "100.0%"):
         assert figure in text, figure
     assert not math.isnan(compare(reports()).overlap_efficiency)
+
+
+def test_send_start_round_trips_and_is_relative_in_json(tmp_path):
+    r = build_report(link_bound_timeline())
+    doc = json.loads(json.dumps(to_json(r)))
+    assert [p["send_start"] for p in doc["layers"]] == pytest.approx([0.020, 0.030, 0.040, 0.050])
+    assert Timeline.from_dict(doc["timeline"]) == r.timeline
+    assert load_report(doc) == r
+    # A timeline from before the stamp existed still loads: send_start defaults to None.
+    old = overlap_timeline().to_dict()
+    for piece in old["layers"]:
+        del piece["send_start"]
+    assert load_report(old) == build_report(overlap_timeline())
+
+
+def test_load_accepts_split_generate_json_output(tmp_path):
+    r = build_report(overlap_timeline())
+    out = {"tokens": [1, 2], "text": "x", "prompt_tokens": 1000, "report": to_json(r)}
+    path = tmp_path / "run.json"
+    path.write_text("streamed text\n" + json.dumps(out) + "\n")
+    assert load_report(path) == r
+    assert load(path) == r
+    c = compare(reports())
+    path.write_text(json.dumps({**out, "same_tokens": True, "report": to_json(c)}))
+    assert load(path) == c
+    assert load_comparison(path) == c
+
+
+def test_compare_names_the_link_rate_it_assumed():
+    c = compare(reports())
+    assert c.link_gbps == pytest.approx(0.1)
+    assert to_json(c)["link_gbps"] == pytest.approx(0.1)
+    assert "0.100 GB/s" in render_comparison(c)
+    assert compare({"local": build_report(local_timeline())}).link_gbps is None
+
+
+def test_text_timeline_draws_the_whole_transmission():
+    tl = link_bound_timeline()
+    late = tuple(replace(p, sent=OFFSET + (p.received - 0.005)) for p in tl.layers)
+    without = replace(tl, layers=tuple(replace(p, send_start=None) for p in late))
+
+    def wire_cells(timeline) -> int:
+        text = render_terminal(build_report(timeline))
+        return next(line for line in text.splitlines() if line.startswith("L0")).count("─")
+
+    # Layer 0 is on the wire 20 of the 100 ms axis with send_start, 5 ms without.
+    assert wire_cells(replace(tl, layers=late)) > 3 * wire_cells(without)
+
+
+def test_t_ideal_takes_compute_times_from_the_sequential_run():
+    """A slow link fills the overlapped run's send queue, which blocks its compute thread: its
+    pieces are 20 ms apart instead of 10. The bound must not count those stalls as compute."""
+    stalled = tuple(
+        replace(p, compute_done=OFFSET + 0.010 + 0.020 * (p.layer + 1))
+        for p in link_bound_timeline().layers
+    )
+    ovl = build_report(replace(link_bound_timeline(), layers=stalled, prefill_end=OFFSET + 0.090))
+    c = compare({"overlap": ovl, "sequential": build_report(sequential_timeline())})
+    # Sequential compute (10 ms per layer), its link rate (10 ms per piece), 1 ms inject.
+    assert c.t_ideal_s == pytest.approx(0.051)
+    assert measured_ideal(ovl, 1e8) == pytest.approx(0.091)  # the stalled run's own: too high

@@ -207,3 +207,12 @@ def test_chromium_renders_the_timeline(tmp_path):
     dom = Page(chromium(profile, "--dump-dom", page.as_uri()).stdout)
     assert dom.count("svg") == 1
     assert dom.layer_rows == list(range(32))
+
+
+def test_tooltips_name_first_and_last_byte_to_the_socket():
+    tl = timeline(n_layers=2)
+    tl = replace(tl, layers=tuple(replace(p, send_start=p.sent - 0.001) for p in tl.layers))
+    text = "".join(Page(render_html(build_report(tl))).text)
+    # Layer 0: first byte at 23 ms, last at 24 ms; on the wire from 23 ms.
+    assert "sent 23.000 ms → received 32.000 ms, 9.000 ms on the wire" in text
+    assert "handed to the socket 23.000–24.000 ms" in text

@@ -1,0 +1,343 @@
+"""Benchmark the overlapped KV handoff against sequential, local and the physical bound.
+
+Starts a prefill node (torch) and a decode node (mlx) in two Linux network namespaces joined by
+a veth pair, shapes the link with `tc ... tbf`, and runs prompts of several lengths three ways:
+overlapped, sequential (KV sent after the whole prefill) and local (the decode node prefills).
+
+Per prompt length it first measures, on the unshaped link, the prefill's compute per layer and
+the KV bytes per layer, then sets the tbf rate so that one layer's transfer takes `ratio` x one
+layer's compute (one link setting per ratio, e.g. 0.6: compute-bound; 1.5: transfer-bound).
+On each setting it reports TTFT, the exposed handoff against its target, the overlap
+efficiency (T_seq - T_ovl) / (T_seq - T_ideal), with T_ideal the pipelined bound from the
+measured per-layer compute times and the link rate measured by a plain TCP socket, and the
+transport's throughput against that socket carrying the same bytes over the same link. Then
+decode ITL after a handoff against mlx-lm's own prefill + decode of the same prompt.
+
+Every point is repeated and the medians are reported. The two nodes are pinned to one CPU each
+(two "machines"), the namespaces and processes are created and removed by the benchmark, and
+all traffic stays between its two namespaces. Needs root, iproute2, both backends and a source
+checkout (the namespace helpers live in tests/netns.py). Human-readable card on stdout, then
+the last line is one JSON document (`"schema": "exo-split.bench/1"`, docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from exo_split.bench_figures import Point, Run, layer_compute_s, render_card, summarize
+from exo_split.bench_lab import BenchError, Lab, Progress
+
+# Per-layer compute of a few ms (128 tokens) to ~150 ms (4,096 tokens) on one CPU core.
+BENCH_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+QUICK_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+}
+LOCAL_REPEAT_LIMIT_S = 10.0
+# ITL is compared at up to two prompt lengths from this one on (mlx-lm's prefill is slow here).
+ITL_MIN_TOKENS = 1024
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 128,1024, got {text!r}") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 0.6,1.5, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 short prompts")
+    p.add_argument("--lengths", type=_ints, help="prompt lengths (default 128,...,4096)")
+    p.add_argument(
+        "--ratios", type=_floats, default=[0.6, 1.5], help="transfer/compute per layer per link"
+    )
+    p.add_argument("--repeats", type=int, help="runs per point, medians reported (default 3)")
+    p.add_argument("--max-tokens", type=int, help="tokens generated per request (default 24)")
+    p.add_argument(
+        "--cpus",
+        default="auto",
+        help="PREFILL,DECODE cpu to pin each node to, or 'none' (default: 0,1 with 2+ cpus)",
+    )
+    p.add_argument("--model", type=Path, help="a checkpoint to use instead of the bench model")
+    p.add_argument("--max-minutes", type=float, help="stop measuring after this (default 45)")
+    p.add_argument("--logs", type=Path, help="keep the nodes' logs in this directory")
+
+
+@dataclass(frozen=True)
+class Settings:
+    lengths: tuple[int, ...]
+    ratios: tuple[float, ...]
+    repeats: int
+    max_tokens: int
+    itl_lengths: tuple[int, ...]
+    itl_tokens: int
+    cpus: tuple[int, int] | None
+    config: dict
+    model: Path | None
+    deadline_s: float
+    logs: Path | None
+    quick: bool
+
+
+def settings(args) -> Settings:
+    quick = args.quick
+    lengths = tuple(args.lengths or ((64, 256) if quick else (128, 256, 512, 1024, 2048, 4096)))
+    if not lengths or min(lengths) < 2 or not args.ratios or min(args.ratios) <= 0:
+        raise BenchError("--lengths must be >= 2 tokens and --ratios > 0")
+    # ITL at up to two lengths from 1,024 on: mlx-lm's own prefill is slow on a CPU.
+    big = tuple(n for n in lengths if n >= ITL_MIN_TOKENS)[:2]
+    return Settings(
+        lengths=lengths,
+        ratios=tuple(args.ratios),
+        repeats=max(1, args.repeats or (1 if quick else 3)),
+        max_tokens=max(2, args.max_tokens or (6 if quick else 24)),
+        itl_lengths=big or (max(lengths),),
+        itl_tokens=max(8, 2 * (args.max_tokens or (6 if quick else 24))),
+        cpus=_cpus(args.cpus),
+        config=QUICK_CONFIG if quick else BENCH_CONFIG,
+        model=args.model,
+        deadline_s=60 * (args.max_minutes or (3 if quick else 45)),
+        logs=args.logs,
+        quick=quick,
+    )
+
+
+def _cpus(text: str) -> tuple[int, int] | None:
+    if text == "none":
+        return None
+    if text == "auto":
+        available = sorted(os.sched_getaffinity(0))
+        return (available[0], available[1]) if len(available) >= 2 else None
+    try:
+        a, b = (int(x) for x in text.split(","))
+    except ValueError:
+        raise BenchError(
+            f"--cpus: expected PREFILL,DECODE like 0,1 or 'none', got {text!r}"
+        ) from None
+    return a, b
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+
+def bench_model(config_overrides: dict, progress: Progress) -> Path:
+    """The bench checkpoint (random Llama weights), built once into the cache directory."""
+    from exo_split.tinymodel import DEFAULT_CONFIG, build_llama, default_model_dir
+
+    config = {**DEFAULT_CONFIG, **config_overrides}
+    name = "exo-split-bench-{num_hidden_layers}L-{hidden_size}h-v1".format(**config)
+    out = default_model_dir().parent / name
+    if (out / "model.safetensors").is_file():
+        return out
+    progress(f"building the benchmark model in {out}")
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    build_llama(tmp, config, seed=4321)
+    if not out.exists():
+        tmp.rename(out)
+    return out
+
+
+def prompt_ids(n: int, vocab_size: int) -> list[int]:
+    """n token ids: BOS, then a fixed pseudo-random sequence (no specials)."""
+    import numpy as np
+
+    rng = np.random.default_rng(n)
+    return [1, *(int(t) for t in rng.integers(3, vocab_size, n - 1))]
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, lab: Lab, s: Settings, vocab_size: int, progress: Progress):
+        self.lab, self.s, self.vocab, self.progress = lab, s, vocab_size, progress
+        self.t0 = time.monotonic()
+        self.skipped: list[str] = []
+
+    def out_of_time(self, what: str) -> bool:
+        if time.monotonic() - self.t0 < self.s.deadline_s:
+            return False
+        self.skipped.append(what)
+        return True
+
+    def generate(self, n: int, mode: str, max_tokens: int | None = None) -> Run:
+        from exo_split.report import build_report, load_report
+
+        max_tokens = max_tokens or self.s.max_tokens
+        body = {"token_ids": prompt_ids(n, self.vocab), "max_tokens": max_tokens,
+                "fallback": "none", "sampling": {"temperature": 0.0}}  # fmt: skip
+        if mode == "local":
+            body["prefill"] = "local"
+        else:
+            body |= {"prefill": "remote", "prefill_peer": self.lab.prefill_addr,
+                     "overlap": mode == "overlap"}  # fmt: skip
+        out = self.lab.call({"op": "generate", "url": self.lab.decode_url, "body": body})
+        report = load_report(out["report"])
+        if report.timeline.mode != mode:
+            raise BenchError(f"asked for a {mode} run, got {report.timeline.mode}")
+        timeline = replace(report.timeline, client_ttft_s=out["client_ttft_s"])
+        return Run(build_report(timeline), out["tokens"])
+
+    def plain(self, nbytes: int) -> float:
+        port = self.lab.ready["source"]["port"]
+        cmd = {"op": "socket", "host": self.lab.a.ipv4, "port": port, "nbytes": nbytes}
+        return self.lab.call(cmd)["gbps"]
+
+    def warm_up(self) -> None:
+        self.progress("warming up both nodes")
+        for n in (min(self.s.lengths), max(self.s.lengths)):
+            for mode in ("overlap", "sequential"):
+                self.generate(n, mode)
+        self.generate(min(self.s.lengths), "local")
+
+    def calibrate(self, n: int) -> dict:
+        """On the unshaped link: compute per layer (s) and KV bytes per layer of n tokens.
+
+        Sequential runs: their compute is never stalled by a full send queue.
+        """
+        self.lab.shape(None)
+        compute, nbytes = [], []
+        for _ in range(min(2, self.s.repeats)):
+            r = self.generate(n, "sequential").report
+            compute.append(layer_compute_s(r))
+            nbytes.append(r.kv_bytes / len(r.pieces))
+        return {"compute_per_layer_s": statistics.median(compute),
+                "bytes_per_layer": statistics.median(nbytes)}  # fmt: skip
+
+    def point(self, ratio: float, n: int) -> Point:
+        """Calibrate (right before, so the machine's load drifts little), shape, measure."""
+        cal = self.calibrate(n)
+        rate = int(8 * cal["bytes_per_layer"] / (ratio * cal["compute_per_layer_s"]))
+        self.progress(
+            f"link {ratio:g}x compute, {n} tokens: {cal['compute_per_layer_s'] * 1e3:.1f} ms and "
+            f"{cal['bytes_per_layer'] / 1e6:.2f} MB per layer -> tbf {rate / 1e6:,.0f} Mbit/s"
+        )
+        self.lab.shape(rate)
+        pt = Point(ratio, n, rate, cal)
+        self.plain(int(cal["bytes_per_layer"]))  # a first transfer through the fresh qdisc
+        for rep in range(self.s.repeats):
+            # Alternate the order so drift in the machine's load hits both modes alike.
+            for mode in ("overlap", "sequential") if rep % 2 == 0 else ("sequential", "overlap"):
+                run = self.generate(n, mode)
+                pt.runs[mode].append(run)
+                if mode == "sequential":
+                    pt.plain_gbps.append(self.plain(run.report.kv_bytes))
+        return pt
+
+    def itl_pairs(self, n: int) -> list[tuple[Run, dict]]:
+        """Decode after a handoff and mlx-lm's own generate_step on the same prompt, in pairs
+        run back to back (order alternating), so the machine's load hits both alike."""
+        tokens = self.s.itl_tokens
+        cmd = {"op": "mlx_lm", "model": str(self.lab.model),
+               "token_ids": prompt_ids(n, self.vocab), "max_tokens": tokens}  # fmt: skip
+        pairs = []
+        for rep in range(self.s.repeats):
+            if rep % 2:
+                theirs, ours = self.lab.call(cmd), self.generate(n, "overlap", tokens)
+            else:
+                ours, theirs = self.generate(n, "overlap", tokens), self.lab.call(cmd)
+            pairs.append((ours, theirs))
+        return pairs
+
+    def run(self) -> dict:
+        self.lab.shape(None)
+        self.warm_up()
+        unshaped = statistics.median(self.plain(32 * 2**20) for _ in range(3))
+        local: dict[int, list[Run]] = {}
+        for n in self.s.lengths:
+            if self.out_of_time(f"local {n}"):
+                continue
+            self.progress(f"local prefill, {n} tokens")
+            local[n] = [self.generate(n, "local")]
+            # A local run far slower than the split needs no repeats: noise cannot change it.
+            if local[n][0].report.ttft_s < LOCAL_REPEAT_LIMIT_S:
+                local[n] += [self.generate(n, "local") for _ in range(self.s.repeats - 1)]
+        points = []
+        for ratio in self.s.ratios:
+            for n in self.s.lengths:
+                if self.out_of_time(f"link {ratio}x, {n} tokens"):
+                    continue
+                points.append(self.point(ratio, n))
+        self.lab.shape(None)
+        baseline = {}
+        for n in self.s.itl_lengths:
+            if self.out_of_time(f"mlx-lm {n}"):
+                continue
+            self.progress(f"decode ITL: after a handoff and mlx-lm's own, {n} tokens")
+            baseline[n] = self.itl_pairs(n)
+        return summarize(self.s, unshaped, local, points, baseline, self.skipped)
+
+
+def main(args) -> int:
+    def progress(message: str) -> None:
+        print(f"[bench {time.monotonic() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    s = settings(args)
+    model = s.model or bench_model(s.config, progress)
+    from exo_split.spec import load_spec
+
+    spec = load_spec(model)
+    if s.model is not None:
+        config = {"num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden_size,
+                  "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim}  # fmt: skip
+        s = replace(s, config=config)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # so the namespaces are removed
+    try:
+        with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress) as lab:
+            doc = Bench(lab, s, spec.vocab_size, progress).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    doc["model"] = str(model)
+    doc["elapsed_s"] = time.monotonic() - t0
+    doc["command"] = "exo-split bench " + " ".join(_argv_of(args))
+    print(render_card(doc), flush=True)
+    print(json.dumps(doc), flush=True)
+    return 0
+
+
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt  # unwinds through Lab.close(); the CLI reports it as interrupted
+
+
+def _argv_of(args) -> list[str]:
+    """The options given, as they would be typed (for the JSON's `command`)."""
+    out = ["--quick"] if args.quick else []
+    for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes"):
+        value = getattr(args, key, None)
+        if (
+            value is None
+            or (key == "cpus" and value == "auto")
+            or (key == "ratios" and value == [0.6, 1.5])
+        ):
+            continue
+        text = ",".join(f"{v:g}" for v in value) if isinstance(value, list) else str(value)
+        out.append(f"--{key.replace('_', '-')} {text}")
+    return out

@@ -1,0 +1,186 @@
+"""The benchmark's two "machines": network namespaces joined by a veth pair, the two nodes,
+a plain-socket source and the driver in them, and the link's tc tbf shaping. Everything is
+created on entry and removed on exit (processes by pid, then the namespaces).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from exo_split.errors import ExoSplitError
+
+TBF_LATENCY = "50ms"
+Progress = Callable[[str], None]
+
+
+class BenchError(ExoSplitError):
+    """The benchmark could not run or a measurement failed."""
+
+
+def _netns():
+    """tests/netns.py: one place for the namespace helpers, which need a source checkout."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "netns.py"
+    if not path.is_file():
+        raise BenchError(f"the benchmark runs from a source checkout: {path} is missing")
+    spec = importlib.util.spec_from_file_location("exo_split_bench_netns", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Lab:
+    """Two namespaces, the two nodes, a plain-socket source and the driver; all removed on exit."""
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        cpus: tuple[int, int] | None,
+        logs: Path | None,
+        progress: Progress,
+    ):
+        self.model, self.cpus, self.logs, self.progress = model, cpus, logs, progress
+        self.netns = _netns()
+        self.token = os.urandom(16).hex()
+        self._tmp = tempfile.TemporaryDirectory(prefix="exo-split-bench-")
+        self.work = Path(self._tmp.name)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Lab:
+        reason = self.netns.netns_unavailable_reason()
+        if reason is not None:
+            raise BenchError(f"cannot create network namespaces: {reason}")
+        try:
+            self.a, self.b = self._stack.enter_context(self.netns.netns_pair())
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _env(self, pinned: bool) -> dict[str, str]:
+        env = {**os.environ, "EXO_SPLIT_TOKEN": self.token, "EXO_SPLIT_PEERS": ""}
+        if pinned:  # one torch thread per pinned core; more would only time-share it
+            env |= {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        return env
+
+    def _spawn(self, name: str, ns, cpu: int | None, argv: list[str], **kw) -> subprocess.Popen:
+        log = open(self.work / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
+        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+        proc = subprocess.Popen(
+            [*self.netns.ns_exec_prefix(ns), sys.executable, *argv],
+            stderr=log, env=self._env(cpu is not None), preexec_fn=pin,
+            **({"stdout": log, "stdin": subprocess.DEVNULL} | kw),
+        )  # fmt: skip
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def _start(self) -> None:
+        from exo_split.demo import _node_accepts
+
+        prefill_cpu, decode_cpu = self.cpus or (None, None)
+        # No mDNS (traffic stays between the two namespaces); no start-up speed measurement
+        # (the benchmark warms both nodes itself).
+        extra = [flag for flag in ("--no-mdns", "--no-warmup") if _node_accepts(flag)]
+        for name, ns, cpu, backend in (
+            ("prefill", self.a, prefill_cpu, "torch"),
+            ("decode", self.b, decode_cpu, "mlx"),
+        ):
+            self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(self.model),
+                        "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
+                        "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
+        self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench_driver", "source",
+                    self.a.ipv4, str(self.work / "source.json")])  # fmt: skip
+        self._spawn("driver", self.b, decode_cpu, ["-m", "exo_split.bench_driver", "drive"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.ready = {name: self._wait_ready(name) for name in ("prefill", "decode", "source")}
+        self.decode_url = f"http://{self.b.ipv4}:{self.ready['decode']['port']}"
+        self.prefill_addr = f"{self.a.ipv4}:{self.ready['prefill']['port']}"
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.procs["driver"].stdout, selectors.EVENT_READ)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.work / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _wait_ready(self, name: str, timeout: float = 180.0) -> dict:
+        ready, t0 = self.work / f"{name}.json", time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.procs[name].poll() is not None:
+                raise BenchError(
+                    f"the {name} process exited while starting:\n{self.log_tail(name)}"
+                )
+            if ready.exists() and ready.stat().st_size:
+                self.progress(f"{name} ready ({time.monotonic() - t0:.1f} s)")
+                return json.loads(ready.read_text())
+            time.sleep(0.05)
+        raise BenchError(f"the {name} process was not ready after {timeout:.0f} s")
+
+    def call(self, cmd: dict, timeout: float = 900.0) -> dict:
+        """One command to the driver (in the decode namespace); its answer."""
+        driver = self.procs["driver"]
+        driver.stdin.write(json.dumps(cmd) + "\n")
+        driver.stdin.flush()
+        if not self._selector.select(timeout):
+            raise BenchError(f"the driver did not answer {cmd['op']} within {timeout:.0f} s")
+        line = driver.stdout.readline()
+        if not line:
+            raise BenchError(f"the driver exited:\n{self.log_tail('driver')}")
+        out = json.loads(line)
+        if "error" in out:
+            tails = "\n".join(f"[{n}]\n{self.log_tail(n, 8)}" for n in ("prefill", "decode"))
+            raise BenchError(f"{out['error']}\n{tails}")
+        return out
+
+    def shape(self, rate_bits: int | None) -> None:
+        """tbf on both ends of the veth pair (None: unshaped)."""
+        for ns in (self.a, self.b):
+            base = [*self.netns.ns_exec_prefix(ns), "tc", "qdisc"]
+            if rate_bits is None:
+                subprocess.run([*base, "del", "dev", ns.veth, "root"], capture_output=True)
+                continue
+            # ~2 ms of bytes per burst: bursts far larger would let short transfers skip the
+            # shaping; hrtimer-driven tbf keeps the rate at this size.
+            burst = max(rate_bits // 8 // 500, 16 * 1024)
+            cmd = [*base, "replace", "dev", ns.veth, "root", "tbf", "rate", f"{rate_bits}bit",
+                   "burst", str(burst), "latency", TBF_LATENCY]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+            if proc.returncode != 0:
+                raise BenchError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}")
+
+    def close(self) -> None:
+        """Stop every process by its pid (TERM, then KILL), then remove the namespaces."""
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+            if self.logs is not None:
+                self.logs.mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(OSError):
+                    (self.logs / f"{name}.log").write_text(self.log_tail(name, 10**6))
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self._stack.close()
+        self._tmp.cleanup()

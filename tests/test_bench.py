@@ -1,0 +1,80 @@
+"""`exo-split bench --quick`: the benchmark runs end to end between two network namespaces of its
+own and reports every figure. Only that the figures exist and are sane is checked, never how
+fast anything was (the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from netns import netns_unavailable_reason
+
+_reason = netns_unavailable_reason()
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(_reason is not None, reason=_reason or ""),
+]
+
+POINT_KEYS = (
+    "rate_mbit", "link_gbps", "compute_per_layer_s", "bytes_per_layer", "transfer_ratio",
+    "t_overlap_s", "t_sequential_s", "t_ideal_s", "overlap_efficiency", "exposed_handoff_s",
+    "handoff_target_s", "meets_handoff_target", "ideal_exposed_s", "hidden_fraction",
+    "transport_gbps", "plain_gbps", "transport_vs_plain",
+)  # fmt: skip
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    """Namespaces that tests/netns.py made for process `pid` (named exs<pid>x<n>a/b)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"exs{pid}x")]
+
+
+def test_quick_bench_reports_every_figure(tmp_path):
+    env = {**os.environ, "EXO_SPLIT_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exo_split", "bench", "--quick", "--logs", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # timed out: SIGTERM lets the bench remove its namespaces
+            proc.terminate()
+            proc.wait(30)
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = stdout.strip().splitlines()
+    doc = json.loads(lines[-1])
+    card = "\n".join(lines[:-1])
+    assert "targets" in card and "decode ITL" in card
+
+    assert doc["schema"] == "exo-split.bench/1" and doc["quick"] is True
+    assert doc["unshaped_gbps"] > 0
+    points = {(p["ratio"], p["prompt_tokens"]): p for p in doc["points"]}
+    assert set(points) == {(r, n) for r in (0.6, 1.5) for n in (64, 256)}
+    for p in points.values():
+        for key in POINT_KEYS:
+            assert key in p, key
+        for key in ("t_overlap_s", "t_sequential_s", "t_ideal_s", "transport_gbps", "plain_gbps"):
+            assert p[key] > 0, (key, p)
+        assert all(p["ttft_s"][mode] > 0 for mode in ("overlap", "sequential", "local"))
+        # Efficiency is null only when sequential was not slower than the bound.
+        assert p["overlap_efficiency"] is not None or p["t_sequential_s"] <= p["t_ideal_s"]
+        # None: every wire interval was empty (tiny pieces, within the clock's uncertainty).
+        assert p["hidden_fraction"] is None or 0 <= p["hidden_fraction"] <= 1
+    assert [local["prompt_tokens"] for local in doc["local"]] == [64, 256]
+    (itl,) = doc["itl"]
+    assert itl["prompt_tokens"] == 256 and itl["split_itl_p50_s"] > 0
+    assert itl["mlx_lm_itl_p50_s"] > 0 and itl["ratio"] > 0
+    assert itl["same_tokens"] is True  # float32 greedy: the split decodes what mlx-lm does
+    for name in ("overlap_efficiency", "exposed_handoff", "transport_vs_plain"):
+        assert doc["targets"][name]["met"] is None  # no prompt of 1,024 tokens in --quick
+    assert doc["targets"]["decode_itl_ratio"]["worst"] == itl["ratio"]
+
+    # Everything the benchmark created is gone; the nodes' logs were kept as asked.
+    assert _namespaces_of(proc.pid) == []
+    assert {"prefill.log", "decode.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
