@@ -93,12 +93,10 @@ class Lab:
         return proc
 
     def _start(self) -> None:
-        from exo_split.demo import _node_accepts
-
         prefill_cpu, decode_cpu = self.cpus or (None, None)
         # No mDNS (traffic stays between the two namespaces); no start-up speed measurement
         # (the benchmark warms both nodes itself).
-        extra = [flag for flag in ("--no-mdns", "--no-warmup") if _node_accepts(flag)]
+        extra = ["--no-mdns", "--no-warmup"]
         for name, ns, cpu, backend in (
             ("prefill", self.a, prefill_cpu, "torch"),
             ("decode", self.b, decode_cpu, "mlx"),

@@ -57,7 +57,7 @@ class LocalPair:
         cmd = [sys.executable, "-m", "exo_split", "node", "--model", str(self.model_dir),
                "--backend", backend, "--dtype", self.dtype, "--host", "127.0.0.1",
                "--port", "0", "--ready-file", str(ready), *extra]  # fmt: skip
-        if not self.discover and _node_accepts("--no-mdns"):
+        if not self.discover:
             cmd.append("--no-mdns")
         self.children[role] = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env()
@@ -123,15 +123,6 @@ class LocalPair:
                 proc.kill()
                 proc.wait(5)
         self._tmp.cleanup()
-
-
-def _node_accepts(flag: str) -> bool:
-    """Whether `exo-split node` has `flag` (mDNS options arrive with discovery)."""
-    from exo_split import cli
-
-    parser = cli.build_parser()
-    node = parser._subparsers._group_actions[0].choices["node"]  # argparse keeps them here
-    return any(flag in a.option_strings for a in node._actions)
 
 
 def default_prompt(n_words: int, vocab_size: int) -> str:
