@@ -234,7 +234,7 @@ def render_card(doc: dict, *, width: int = 120) -> str:
     from rich import box
     from rich.table import Table
 
-    from exo_split.report import render_rich
+    from exo_split.report_text import render_rich
 
     c = doc["config"]
     lines = [

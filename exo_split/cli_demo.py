@@ -53,8 +53,9 @@ def _raise_on_sigterm() -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from exo_split.cli_split import run_request
     from exo_split.demo import LocalPair, default_prompt
-    from exo_split.report import build_report, load_report, render_terminal, to_json
+    from exo_split.report import build_report, load_report, to_json
     from exo_split.report_html import render_html
+    from exo_split.report_text import render_terminal
     from exo_split.spec import load_spec
     from exo_split.tinymodel import ensure_default_model
 

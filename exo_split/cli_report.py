@@ -20,10 +20,9 @@ from exo_split.report import (
     compare,
     load,
     load_report,
-    render_comparison,
-    render_terminal,
     to_json,
 )
+from exo_split.report_text import render_comparison, render_terminal
 
 # The runs of `split-generate --compare`, in the order they run: body overrides of each.
 COMPARE_RUNS = (

@@ -211,7 +211,8 @@ def add_split_generate(subparsers) -> None:
 
 def cmd_split_generate(args) -> int:
     from exo_split.node import peer_url
-    from exo_split.report import build_report, load_report, render_terminal, to_json
+    from exo_split.report import build_report, load_report, to_json
+    from exo_split.report_text import render_terminal
 
     token, _ = resolve_token(args.token_file, dict(os.environ), create=False)
     decode, roles = args.decode_peer, None

@@ -10,18 +10,14 @@ from __future__ import annotations
 import math
 from html import escape
 
-from exo_split.report import (
+from exo_split.report import Comparison, HandoffReport, piece_starts, time_span, wire_intervals
+from exo_split.report_text import (
     COMPARISON_COLUMNS,
-    Comparison,
-    HandoffReport,
     comparison_cells,
     decision_text,
     figure_pairs,
     fmt_bytes,
     fmt_ms,
-    piece_starts,
-    time_span,
-    wire_intervals,
 )
 
 WIDTH, LEFT, RIGHT = 1120, 70, 20  # px: whole SVG, label gutter, right margin

@@ -219,7 +219,8 @@ def test_token_never_in_logs_errors_reports_info_or_mdns(checkpoint, caplog):
     from exo_split.coordinator import Coordinator
     from exo_split.discovery import NodeInfo, check_txt, node_txt
     from exo_split.node import NodeConfig
-    from exo_split.report import load_report, render_terminal
+    from exo_split.report import load_report
+    from exo_split.report_text import render_terminal
     from exo_split.tokenizer import TextCodec
     from exo_split.transport.client import Timeouts
 

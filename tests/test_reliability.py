@@ -37,7 +37,8 @@ from fakes import (
 from nodes import TOKEN, NodeProcess, generate, request
 from reference import prompt_ids, reference_generate
 
-from exo_split.report import load_report, render_terminal
+from exo_split.report import load_report
+from exo_split.report_text import render_terminal
 from exo_split.transport import wire
 
 pytestmark = pytest.mark.timeout(300)

@@ -28,11 +28,10 @@ from exo_split.report import (
     measured_ideal,
     overlap_efficiency,
     percentile,
-    render_comparison,
-    render_terminal,
     to_json,
     wire_intervals,
 )
+from exo_split.report_text import render_comparison, render_terminal
 
 OFFSET = 100.0  # prefill clock = decode clock + OFFSET
 SYNC = ClockSync(
