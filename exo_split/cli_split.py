@@ -125,9 +125,9 @@ def _seconds(text: str, *, zero: bool = False) -> float:
 
 def cmd_node(args) -> int:
     from exo_split.capabilities import default_cache_dir
+    from exo_split.limits import Limits
     from exo_split.node import Node, NodeConfig
     from exo_split.transport.client import Timeouts
-    from exo_split.transport.server import Limits
 
     token, source = resolve_token(args.token_file, dict(os.environ), create=True)
     if source.endswith("(new)"):

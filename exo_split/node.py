@@ -31,9 +31,10 @@ from exo_split.coordinator import Coordinator, GenerateRequest
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable
+from exo_split.limits import Limits
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
-from exo_split.transport.server import Limits, NodeState, make_app
+from exo_split.transport.server import NodeState, make_app
 
 log = logging.getLogger(__name__)
 

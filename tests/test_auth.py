@@ -21,7 +21,8 @@ from nodes import TOKEN, NodeProcess
 
 from exo_split import auth
 from exo_split.errors import ExoSplitError
-from exo_split.transport.server import Limits, NodeState, make_app
+from exo_split.limits import Limits
+from exo_split.transport.server import NodeState, make_app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,9 +20,10 @@ from reference import prompt_ids, reference_generate
 
 from exo_split.backends import load_backend
 from exo_split.coordinator import Coordinator
+from exo_split.limits import Limits, decode_kv_bytes
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts
-from exo_split.transport.server import Limits, NodeState, decode_kv_bytes, make_app
+from exo_split.transport.server import NodeState, make_app
 
 pytestmark = pytest.mark.timeout(300)
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

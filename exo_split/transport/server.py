@@ -15,20 +15,26 @@ and cancels its work when the client drops (docs/reliability.md).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from exo_split.auth import bearer, token_matches
-from exo_split.coordinator import PIECES_IN_FLIGHT, Coordinator, GenerateRequest
-from exo_split.errors import AuthError, ExoSplitError, IncompatiblePeer, PromptTooLong
+from exo_split.coordinator import Coordinator, GenerateRequest
+from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
 from exo_split.handoff import check_request
-from exo_split.kv import itemsize
+from exo_split.limits import (
+    PREFILL_QUEUE_DEPTH,
+    KVLedger,
+    Limits,
+    Refused,
+    decode_kv_bytes,
+    prefill_kv_bytes,
+)
 from exo_split.prefill import (
     PrefillRequest,
     Progress,
@@ -44,54 +50,6 @@ log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.02  # how often a streaming handler checks that its client is still there
 HEARTBEAT_S = 5.0  # a generate stream silent this long gets a heartbeat event (a long prefill)
-PREFILL_QUEUE_DEPTH = 4  # computed pieces waiting for the sender (prefill.stream_prefill)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-node limits; each has a safe default (docs/reliability.md)."""
-
-    max_prompt_tokens: int = 32_768
-    max_concurrent: int = 8  # requests of each kind in progress (running or queued)
-    max_kv_bytes: int = 8 * 2**30  # KV held for requests in progress, both kinds together
-    retry_after_s: int = 1
-
-
-class KVLedger:
-    """The KV bytes this node holds for requests in progress.
-
-    Each request reserves what it will hold before its 200 (the prefill's cache and pieces in
-    flight; the decode cache at full capacity) and releases it when its handler ends, after
-    the compute thread has let go. /v1/info shows `kv_bytes_held`; it returns to 0 when idle.
-    """
-
-    def __init__(self, limit: int, retry_after_s: int = 1):
-        self.limit, self.retry_after_s = limit, retry_after_s
-        self.held = self.peak = 0
-
-    @contextlib.contextmanager
-    def hold(self, nbytes: int, what: str) -> Iterator[None]:
-        if nbytes > self.limit:
-            raise _refusal(
-                413,
-                "too_much_kv",
-                f"{what} needs {_mib(nbytes)} of KV, more than this node's limit of "
-                f"{_mib(self.limit)} (--max-kv-bytes)",
-            )
-        if self.held + nbytes > self.limit:
-            raise _refusal(
-                503,
-                "busy",
-                f"{what} needs {_mib(nbytes)} of KV; {_mib(self.held)} of this node's "
-                f"{_mib(self.limit)} are held by requests in progress",
-                retry_after=self.retry_after_s,
-            )
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-        try:
-            yield
-        finally:
-            self.held -= nbytes
 
 
 @dataclass
@@ -122,21 +80,13 @@ class NodeState:
 STATE = web.AppKey("state", NodeState)
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
-
-
 def _error(status: int, code: str, message: str, **headers) -> web.Response:
     return web.json_response({"code": code, "message": message}, status=status, headers=headers)
 
 
-def _refusal(status: int, code: str, message: str, retry_after: int = 1) -> web.HTTPException:
-    """413 (can never fit) or 503 + Retry-After (busy now), to raise before the 200."""
-    body = {"text": json.dumps({"code": code, "message": message}),
-            "content_type": "application/json"}  # fmt: skip
-    if status == 503:
-        return web.HTTPServiceUnavailable(headers={"Retry-After": str(retry_after)}, **body)
-    return web.HTTPRequestEntityTooLarge(max_size=0, actual_size=0, **body)
+def _refusal_response(exc: Refused) -> web.Response:
+    headers = {"Retry-After": str(exc.retry_after)} if exc.status == 503 else {}
+    return _error(exc.status, exc.code, str(exc), **headers)
 
 
 @web.middleware
@@ -150,7 +100,10 @@ async def _auth(request: web.Request, handler):
         return _error(
             401, "unauthorized", "missing or wrong token", **{"WWW-Authenticate": "Bearer"}
         )
-    return await handler(request)
+    try:
+        return await handler(request)
+    except Refused as exc:  # raised before the 200 by _Slot and KVLedger.hold
+        return _refusal_response(exc)
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -173,7 +126,7 @@ class _Slot:
         busy, limits = self.state.busy, self.state.limits
         if busy.get(self.kind, 0) >= limits.max_concurrent:
             self.state.count("refused_busy")
-            raise _refusal(
+            raise Refused(
                 503,
                 "busy",
                 f"{self.kind} queue is full ({limits.max_concurrent} in progress)",
@@ -246,29 +199,6 @@ class _Writer:
 
     def silent_for(self) -> float:
         return asyncio.get_running_loop().time() - self.last
-
-
-def kv_bytes(spec: ModelSpec, tokens: int, dtype: str, layers: int | None = None) -> int:
-    """K and V bytes of `tokens` positions in `layers` layers (default: all)."""
-    n_layers = spec.n_layers if layers is None else layers
-    return 2 * n_layers * spec.n_kv_heads * spec.head_dim * tokens * itemsize(dtype)
-
-
-def prefill_kv_bytes(spec: ModelSpec, backend_dtype: str, req: PrefillRequest) -> int:
-    """What a prefill holds at most: its own cache of the whole prompt, plus the pieces
-    waiting for the sender (all of them without overlap)."""
-    n, wire_dtype = len(req.token_ids), req.dtype or backend_dtype
-    if not req.overlap:
-        return kv_bytes(spec, n, backend_dtype) + kv_bytes(spec, n, wire_dtype)
-    piece = kv_bytes(spec, min(req.chunk or n, n), wire_dtype, layers=1)
-    return kv_bytes(spec, n, backend_dtype) + (PREFILL_QUEUE_DEPTH + 1) * piece
-
-
-def decode_kv_bytes(spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int) -> int:
-    """What a generate holds at most: the cache at full capacity plus received pieces
-    waiting to be injected."""
-    piece = kv_bytes(spec, prompt_len, dtype, layers=1)
-    return kv_bytes(spec, prompt_len + max_tokens, dtype) + (PIECES_IN_FLIGHT + 1) * piece
 
 
 async def health(request: web.Request) -> web.Response:
@@ -464,4 +394,4 @@ def make_app(state: NodeState) -> web.Application:
     return app
 
 
-__all__ = ["AuthError", "KVLedger", "Limits", "NodeState", "STATE", "kv_bytes", "make_app"]
+__all__ = ["NodeState", "STATE", "make_app"]

@@ -1,0 +1,101 @@
+"""Admission limits of a node: how many requests, how many prompt tokens, how many KV bytes.
+
+No framework imports: a refusal is a `Refused` error carrying the HTTP status, which the
+server turns into 413 (can never fit) or 503 + Retry-After (busy now), always before the 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from exo_split.coordinator import PIECES_IN_FLIGHT
+from exo_split.errors import ExoSplitError
+from exo_split.kv import itemsize
+from exo_split.prefill import PrefillRequest
+from exo_split.spec import ModelSpec
+
+PREFILL_QUEUE_DEPTH = 4  # computed pieces waiting for the sender (prefill.stream_prefill)
+
+
+class Refused(ExoSplitError):
+    """A request the node will not take now (503) or ever (413)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.status, self.code, self.retry_after = status, code, retry_after
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-node limits; each has a safe default (docs/reliability.md)."""
+
+    max_prompt_tokens: int = 32_768
+    max_concurrent: int = 8  # requests of each kind in progress (running or queued)
+    max_kv_bytes: int = 8 * 2**30  # KV held for requests in progress, both kinds together
+    retry_after_s: int = 1
+
+
+class KVLedger:
+    """The KV bytes this node holds for requests in progress.
+
+    Each request reserves what it will hold before its 200 (the prefill's cache and pieces in
+    flight; the decode cache at full capacity) and releases it when its handler ends, after
+    the compute thread has let go. /v1/info shows `kv_bytes_held`; it returns to 0 when idle.
+    """
+
+    def __init__(self, limit: int, retry_after_s: int = 1):
+        self.limit, self.retry_after_s = limit, retry_after_s
+        self.held = self.peak = 0
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int, what: str) -> Iterator[None]:
+        if nbytes > self.limit:
+            raise Refused(
+                413,
+                "too_much_kv",
+                f"{what} needs {_mib(nbytes)} of KV, more than this node's limit of "
+                f"{_mib(self.limit)} (--max-kv-bytes)",
+            )
+        if self.held + nbytes > self.limit:
+            raise Refused(
+                503,
+                "busy",
+                f"{what} needs {_mib(nbytes)} of KV; {_mib(self.held)} of this node's "
+                f"{_mib(self.limit)} are held by requests in progress",
+                retry_after=self.retry_after_s,
+            )
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        try:
+            yield
+        finally:
+            self.held -= nbytes
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def kv_bytes(spec: ModelSpec, tokens: int, dtype: str, layers: int | None = None) -> int:
+    """K and V bytes of `tokens` positions in `layers` layers (default: all)."""
+    n_layers = spec.n_layers if layers is None else layers
+    return 2 * n_layers * spec.n_kv_heads * spec.head_dim * tokens * itemsize(dtype)
+
+
+def prefill_kv_bytes(spec: ModelSpec, backend_dtype: str, req: PrefillRequest) -> int:
+    """What a prefill holds at most: its own cache of the whole prompt, plus the pieces
+    waiting for the sender (all of them without overlap)."""
+    n, wire_dtype = len(req.token_ids), req.dtype or backend_dtype
+    if not req.overlap:
+        return kv_bytes(spec, n, backend_dtype) + kv_bytes(spec, n, wire_dtype)
+    piece = kv_bytes(spec, min(req.chunk or n, n), wire_dtype, layers=1)
+    return kv_bytes(spec, n, backend_dtype) + (PREFILL_QUEUE_DEPTH + 1) * piece
+
+
+def decode_kv_bytes(spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int) -> int:
+    """What a generate holds at most: the cache at full capacity plus received pieces
+    waiting to be injected."""
+    piece = kv_bytes(spec, prompt_len, dtype, layers=1)
+    return kv_bytes(spec, prompt_len + max_tokens, dtype) + (PIECES_IN_FLIGHT + 1) * piece
