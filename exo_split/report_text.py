@@ -80,10 +80,35 @@ def figure_pairs(r: HandoffReport) -> tuple[list[tuple[str, str]], list[tuple[st
     return request, handoff
 
 
+# Keys of policy.Decision shown in their own words below, or left to the JSON report.
+_DECISION_SHOWN = {"choice", "reason", "estimates", "break_even_tokens", "measured", "peer"}
+_DECISION_JSON_ONLY = {"figures", "decided_in_s", "mode", "prompt_tokens"}
+
+
 def decision_text(decision: Mapping[str, Any]) -> str:
-    return "; ".join(
-        f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in decision.items()
-    )
+    """One line: what was chosen and why, both TTFT estimates, the break-even and, after the
+    run, the measured TTFT. Every input is in the JSON report (`decision`)."""
+    d = decision
+    parts = []
+    if "choice" in d:
+        parts.append(f"{d['choice']} prefill" + (f" ({d['reason']})" if d.get("reason") else ""))
+    est = d.get("estimates") or {}
+    if est.get("local_ttft_s") is not None or est.get("remote_ttft_s") is not None:
+        parts.append(
+            f"estimated TTFT local {fmt_ms(est.get('local_ttft_s'))}, "
+            f"remote {fmt_ms(est.get('remote_ttft_s'))}"
+        )
+    if d.get("break_even_tokens") is not None:
+        parts.append(f"break-even {d['break_even_tokens']:,.0f} tokens")
+    measured = d.get("measured") or {}
+    if measured.get("ttft_s") is not None:
+        parts.append(f"measured TTFT {fmt_ms(measured['ttft_s'])} ({measured.get('ran')})")
+    if isinstance(d.get("peer"), Mapping) and d["peer"].get("url"):
+        parts.append(f"peer {d['peer']['url']}")
+    for k, v in d.items():  # anything else a caller put in
+        if k not in _DECISION_SHOWN | _DECISION_JSON_ONLY:
+            parts.append(f"{k}={v if isinstance(v, str) else json.dumps(v)}")
+    return "; ".join(parts)
 
 
 def _notes(tl: Timeline, width: int) -> list[str]:

@@ -576,3 +576,25 @@ def test_t_ideal_takes_compute_times_from_the_sequential_run():
     # Sequential compute (10 ms per layer), its link rate (10 ms per piece), 1 ms inject.
     assert c.t_ideal_s == pytest.approx(0.051)
     assert measured_ideal(ovl, 1e8) == pytest.approx(0.091)  # the stalled run's own: too high
+
+
+def test_decision_line_is_short_and_says_what_was_chosen_and_why():
+    from exo_split.report_text import decision_text
+
+    decision = {
+        "choice": "local",
+        "reason": "estimated faster",
+        "mode": "auto",
+        "prompt_tokens": 300,
+        "figures": {"local_prefill_tps": 1300.0, "link_bytes_per_s": 1.25e9},
+        "estimates": {"local_ttft_s": 0.2, "remote_ttft_s": 0.35},
+        "break_even_tokens": 1234.4,
+        "decided_in_s": 0.0001,
+        "measured": {"ran": "local", "ttft_s": 0.21},
+    }
+    line = decision_text(decision)
+    assert line == (
+        "local prefill (estimated faster); estimated TTFT local 200.0 ms, remote 350.0 ms; "
+        "break-even 1,234 tokens; measured TTFT 210.0 ms (local)"
+    )
+    assert "link_bytes_per_s" not in line  # inputs stay in the JSON report
