@@ -57,6 +57,8 @@ class LocalPair:
         cmd = [sys.executable, "-m", "exo_split", "node", "--model", str(self.model_dir),
                "--backend", backend, "--dtype", self.dtype, "--host", "127.0.0.1",
                "--port", "0", "--ready-file", str(ready), *extra]  # fmt: skip
+        # The demo names the prefill node and forces remote prefill: no speed warm-up needed.
+        cmd.append("--no-warmup")
         if not self.discover:
             cmd.append("--no-mdns")
         self.children[role] = subprocess.Popen(
