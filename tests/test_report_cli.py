@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from nodes import TOKEN, NodeProcess
-from test_report_html import ARTIFACTS, CHROMIUM, COLORS, Page, chromium, read_png, share_near
+from test_report_html import CHROMIUM, COLORS, Page, chromium, screenshot, share_near
 
 from exo_split.report import Comparison, HandoffReport, load
 from exo_split.report_html import render_html
@@ -128,20 +127,14 @@ def test_report_command_rerenders_a_single_run(pair, tmp_path):
 def test_chromium_renders_the_report_of_a_real_run(pair, tmp_path):
     page = tmp_path / "report.html"
     split_generate(pair, "--report-html", str(page))
-    profile = f"--user-data-dir={tmp_path / 'profile'}"
-    shot = tmp_path / "report.png"
-    chromium(profile, f"--screenshot={shot}", "--window-size=1200,700", page.as_uri())
-    data = shot.read_bytes()
-    ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "report_real_run.png").write_bytes(data)
-    pixels = read_png(data)
-    assert pixels.shape[:2] == (700, 1200)
-    assert len(np.unique(pixels[..., :3].reshape(-1, 3), axis=0)) > 2, "a single-colour page"
+    pixels = screenshot(page, tmp_path, "report_real_run.png", 700)
     assert share_near(pixels, COLORS["compute"]) > 1e-4  # the compute bars are drawn
     for lane in ("wire", "inject", "token"):  # thin on loopback, but there
         assert share_near(pixels, COLORS[lane], tolerance=40) > 0, lane
 
-    dom = Page(chromium(profile, "--dump-dom", page.as_uri()).stdout)
+    dom = Page(
+        chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()).stdout
+    )
     assert dom.count("svg") == 1
     assert dom.layer_rows == list(range(N_LAYERS))
     assert dom.count("rect", "compute") == dom.count("rect", "wire") == N_LAYERS

@@ -179,6 +179,21 @@ def chromium(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def screenshot(page: Path, tmp_path: Path, artifact: str, height: int) -> np.ndarray:
+    """Render `page` in headless Chromium (1200 x height), keep the PNG under artifacts/,
+    return its pixels; fails on a page that is one colour."""
+    shot = tmp_path / "report.png"
+    profile = f"--user-data-dir={tmp_path / 'profile'}"
+    chromium(profile, f"--screenshot={shot}", f"--window-size=1200,{height}", page.as_uri())
+    data = shot.read_bytes()
+    ARTIFACTS.mkdir(exist_ok=True)
+    (ARTIFACTS / artifact).write_bytes(data)
+    pixels = read_png(data)
+    assert pixels.shape[:2] == (height, 1200)
+    assert len(np.unique(pixels[..., :3].reshape(-1, 3), axis=0)) > 2, "a single-colour page"
+    return pixels
+
+
 def share_near(pixels: np.ndarray, hex_color: str, tolerance: int = 12) -> float:
     target = np.array([int(hex_color[k : k + 2], 16) for k in (1, 3, 5)])
     return float((np.abs(pixels[..., :3].astype(int) - target).max(axis=-1) <= tolerance).mean())
@@ -191,20 +206,14 @@ def share_near(pixels: np.ndarray, hex_color: str, tolerance: int = 12) -> float
 def test_chromium_renders_the_timeline(tmp_path):
     page = tmp_path / "report.html"
     page.write_text(render_html(build_report(timeline())))
-    profile = f"--user-data-dir={tmp_path / 'profile'}"
-    shot = tmp_path / "report.png"
-    chromium(profile, f"--screenshot={shot}", "--window-size=1200,900", page.as_uri())
-    data = shot.read_bytes()
-    ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "report_timeline.png").write_bytes(data)
-    pixels = read_png(data)
-    assert pixels.shape[:2] == (900, 1200)
-    assert len(np.unique(pixels[..., :3].reshape(-1, 3), axis=0)) > 2, "a single-colour page"
+    pixels = screenshot(page, tmp_path, "report_timeline.png", 900)
     # The bars are drawn: compute, wire and inject colours all show up.
     for lane in ("compute", "wire", "inject"):
         assert share_near(pixels, COLORS[lane]) > 1e-4, lane
 
-    dom = Page(chromium(profile, "--dump-dom", page.as_uri()).stdout)
+    dom = Page(
+        chromium(f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()).stdout
+    )
     assert dom.count("svg") == 1
     assert dom.layer_rows == list(range(32))
 
