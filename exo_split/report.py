@@ -161,15 +161,23 @@ class Comparison:
 # ---- figures ----------------------------------------------------------------------------------
 
 
-def clock_offset(sync: ClockSync) -> tuple[float, float]:
-    """(offset, uncertainty), seconds: prefill time p is decode time p - offset, ± uncertainty."""
-    offset = (
-        (sync.prefill_received - sync.decode_sent) + (sync.prefill_replied - sync.decode_replied)
-    ) / 2
-    round_trip = (sync.decode_replied - sync.decode_sent) - (
-        sync.prefill_replied - sync.prefill_received
-    )
-    return offset, round_trip / 2
+def clock_offset(sync: ClockSync, pieces: Sequence[LayerTiming] = ()) -> tuple[float, float]:
+    """(offset, uncertainty), seconds: prefill time p is decode time p - offset, ± uncertainty.
+
+    The request round trip bounds the offset from both sides: the request arrived after it
+    was sent, HELLO arrived after it was sent. Each piece that carries `send_start` raises
+    the lower bound (its first byte left before its last byte arrived), which matters when
+    the two directions of the round trip were delayed unequally (a busy event loop). The
+    estimate is the middle of the bounded interval, the uncertainty half its width.
+    """
+    high = sync.prefill_received - sync.decode_sent
+    low = sync.prefill_replied - sync.decode_replied
+    for p in pieces:
+        if p.send_start is not None:
+            low = max(low, p.send_start - p.received)
+    if low > high:  # contradictory stamps: report the contradiction as the uncertainty
+        low, high = high, low
+    return (low + high) / 2, (high - low) / 2
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -257,7 +265,7 @@ def _to_decode_clock(p: LayerTiming, offset: float) -> LayerTiming:
 
 
 def build_report(tl: Timeline) -> HandoffReport:
-    offset, uncertainty = clock_offset(tl.clock) if tl.clock else (0.0, None)
+    offset, uncertainty = clock_offset(tl.clock, tl.layers) if tl.clock else (0.0, None)
     local = tl.mode == "local"
     shift = 0.0 if local else offset
     pieces = tuple(_to_decode_clock(p, offset) for p in tl.layers)

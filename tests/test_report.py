@@ -123,6 +123,43 @@ def test_asymmetric_delay_shifts_offset_within_uncertainty():
     assert abs(offset - 100.0) <= uncertainty
 
 
+def _piece(send_start: float, received: float) -> LayerTiming:
+    return LayerTiming(0, 0, 1, MB, send_start, send_start, received, received, send_start)
+
+
+def test_a_piece_on_the_wire_raises_the_lower_bound_of_the_offset():
+    # Round trip: the offset lies in [99.998, 100.002]. A piece whose first byte left at
+    # prefill 100.0205 and arrived at decode 0.021 proves offset >= 99.9995.
+    sync = ClockSync(0.0, 100.002, 100.003, 0.005)
+    offset, uncertainty = clock_offset(sync, [_piece(100.0205, 0.021)])
+    assert offset == pytest.approx((99.9995 + 100.002) / 2)
+    assert uncertainty == pytest.approx((100.002 - 99.9995) / 2)
+    # Pieces without send_start, or ones that bound nothing new, change nothing.
+    no_start = replace(_piece(100.0205, 0.021), send_start=None)
+    assert clock_offset(sync, [no_start]) == pytest.approx(clock_offset(sync))
+    assert clock_offset(sync, [_piece(100.010, 0.021)]) == pytest.approx(clock_offset(sync))
+
+
+def test_a_late_hello_does_not_squeeze_fast_pieces_to_nothing():
+    """A busy decode loop read HELLO 8 ms late (true offset 100 s, sub-ms loopback pieces):
+    the round-trip midpoint alone maps every piece to end before it starts, so no wire time
+    and no hidden fraction; the pieces' own bounds keep them in causal order."""
+    sync = ClockSync(0.0, 100.0001, 100.0002, 0.0083)
+    pieces = tuple(
+        LayerTiming(i, 0, 1000, MB, OFFSET + 0.010 * (i + 2), OFFSET + 0.010 * (i + 2) + 2e-4,
+                    0.010 * (i + 2) + 3e-4, 0.010 * (i + 2) + 5e-4,
+                    send_start=OFFSET + 0.010 * (i + 2) + 1e-4)
+        for i in range(4)
+    )  # fmt: skip
+    naive, _ = clock_offset(sync)
+    assert all(p.send_start - naive > p.received for p in pieces)  # the failure mode
+    r = build_report(overlap_timeline(layers=pieces, clock=sync))
+    assert abs(r.clock_offset_s - OFFSET) <= r.clock_uncertainty_s
+    assert all(p.send_start <= p.received for p in r.pieces)
+    assert r.wire_time_s > 0
+    assert r.hidden_fraction == pytest.approx(0.75)  # the last piece leaves after prefill_end
+
+
 def test_every_prefill_stamp_is_mapped_to_the_decode_clock():
     r = build_report(overlap_timeline())
     assert r.clock_offset_s == pytest.approx(100.0)
