@@ -277,18 +277,18 @@ def render_card(doc: dict, *, width: int = 120) -> str:
     t = doc["targets"]
     ok = {True: "met", False: "MISSED", None: "n/a (no such point)"}
     fmt_worst = lambda d: ", ".join(f"{k} {_x(v)}" for k, v in d.items()) or "—"  # noqa: E731
+    handoff = "; ".join(
+        f"{k}: {sum(x['met'] for x in v)}/{len(v)} met, the bound itself meets it at "
+        f"{sum(x['reachable'] for x in v)}/{len(v)}"
+        for k, v in t["exposed_handoff"]["points"].items()
+    )
     lines += [
         "",
         f"targets (prompts ≥ {t['min_prompt_tokens']:,} tokens):",
         f"  overlap efficiency ≥ {TARGET_EFFICIENCY}: worst "
         f"{fmt_worst(t['overlap_efficiency']['worst'])} — {ok[t['overlap_efficiency']['met']]}",
-        f"  exposed handoff ≤ 1.5 × layer wire + 10 ms: {ok[t['exposed_handoff']['met']]} ("
-        + "; ".join(
-            f"{k}: {sum(x['met'] for x in v)}/{len(v)} met, the bound itself meets it at "
-            f"{sum(x['reachable'] for x in v)}/{len(v)}"
-            for k, v in t["exposed_handoff"]["points"].items()
-        )
-        + ")",
+        f"  exposed handoff ≤ 1.5 × layer wire + 10 ms: {ok[t['exposed_handoff']['met']]}"
+        + (f" ({handoff})" if handoff else ""),
         f"  transport ≥ {TARGET_TRANSPORT:.0%} of a plain socket: worst "
         f"{fmt_worst(t['transport_vs_plain']['worst'])} — {ok[t['transport_vs_plain']['met']]}",
         f"  decode ITL ≤ {TARGET_ITL} × mlx-lm: worst {_x(t['decode_itl_ratio']['worst'], '.3f')}"
