@@ -140,6 +140,15 @@ def test_a_piece_on_the_wire_raises_the_lower_bound_of_the_offset():
     assert clock_offset(sync, [_piece(100.010, 0.021)]) == pytest.approx(clock_offset(sync))
 
 
+def test_contradictory_stamps_show_up_as_uncertainty():
+    # The request says offset <= 100.002, a piece says offset >= 100.010: no offset fits
+    # both (drifting clocks, a stamp taken late); the gap is reported, not hidden.
+    sync = ClockSync(0.0, 100.002, 100.003, 0.005)
+    offset, uncertainty = clock_offset(sync, [_piece(100.031, 0.021)])
+    assert offset == pytest.approx(100.006)
+    assert uncertainty == pytest.approx(0.004)
+
+
 def test_a_late_hello_does_not_squeeze_fast_pieces_to_nothing():
     """A busy decode loop read HELLO 8 ms late (true offset 100 s, sub-ms loopback pieces):
     the round-trip midpoint alone maps every piece to end before it starts, so no wire time
