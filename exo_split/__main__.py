@@ -1,3 +1,3 @@
-from exo_split.cli import main
+from exo_split.cli.main import main
 
 raise SystemExit(main())

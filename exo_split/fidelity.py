@@ -29,9 +29,9 @@ import numpy as np
 
 from exo_split.backends import BACKENDS, Backend, load_backend
 from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.handoff import check_request, prefill_into, split_generate
+from exo_split.handoff import prefill_into, split_generate
 from exo_split.sampling import GREEDY
-from exo_split.spec import ModelSpec, load_spec, require_compatible
+from exo_split.spec import ModelSpec, check_request, load_spec, require_compatible
 from exo_split.tokenizer import TextCodec
 
 log = logging.getLogger(__name__)

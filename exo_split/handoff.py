@@ -1,5 +1,5 @@
 """In-process split: prefill on backend A, hand the KV and the first token to backend B,
-decode on B. No network; the node agents reuse `decode_tokens` and `check_request`.
+decode on B. No network.
 
 How a request is split between the phases (one rule, here): the prefill side runs every
 prompt token and samples generation step 0 from the last position's logits; the decode
@@ -16,29 +16,8 @@ from typing import Any
 import numpy as np
 
 from exo_split.backends.base import Backend
-from exo_split.errors import ExoSplitError, PromptTooLong
 from exo_split.sampling import GREEDY, Sampling, sample
-from exo_split.spec import ModelSpec, require_compatible
-
-
-def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
-    """Refuse, with a clear message, a request the model cannot hold."""
-    if prompt_len < 1:
-        raise ExoSplitError("the prompt is empty: nothing to prefill")
-    if max_tokens < 1:
-        raise ExoSplitError(f"max tokens must be at least 1, got {max_tokens}")
-    total = prompt_len + max_tokens
-    if total > spec.max_position_embeddings:
-        raise PromptTooLong(
-            f"prompt ({prompt_len} tokens) + max tokens ({max_tokens}) = {total} exceeds the "
-            f"model's context of {spec.max_position_embeddings}",
-            hint="shorten the prompt or lower --max-tokens",
-        )
-    if spec.sliding_window and total > spec.sliding_window:
-        raise PromptTooLong(
-            f"prompt + max tokens = {total} exceeds the sliding window of {spec.sliding_window}; "
-            "exo-split does not support sliding-window attention beyond the window yet"
-        )
+from exo_split.spec import check_request, require_compatible
 
 
 def decode_tokens(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exo_split.errors import BadCheckpoint, IncompatiblePeer
+from exo_split.errors import BadCheckpoint, ExoSplitError, IncompatiblePeer, PromptTooLong
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Families whose q/k/v projections always carry a bias (not announced in config.json).
@@ -186,4 +186,24 @@ def require_compatible(local: ModelSpec, remote: ModelSpec, *, what: str = "peer
             f"{what} runs a different model (fingerprint here {local.fingerprint}, "
             f"{what} {remote.fingerprint}); differing fields (here != {what}): " + "; ".join(diff),
             hint="load the same checkpoint (same config.json) on both machines",
+        )
+
+
+def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
+    """Refuse, with a clear message, a request the model cannot hold."""
+    if prompt_len < 1:
+        raise ExoSplitError("the prompt is empty: nothing to prefill")
+    if max_tokens < 1:
+        raise ExoSplitError(f"max tokens must be at least 1, got {max_tokens}")
+    total = prompt_len + max_tokens
+    if total > spec.max_position_embeddings:
+        raise PromptTooLong(
+            f"prompt ({prompt_len} tokens) + max tokens ({max_tokens}) = {total} exceeds the "
+            f"model's context of {spec.max_position_embeddings}",
+            hint="shorten the prompt or lower --max-tokens",
+        )
+    if spec.sliding_window and total > spec.sliding_window:
+        raise PromptTooLong(
+            f"prompt + max tokens = {total} exceeds the sliding window of {spec.sliding_window}; "
+            "exo-split does not support sliding-window attention beyond the window yet"
         )

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from exo_split.tinymodel import save_tokenizer
+from exo_split.models.tiny import save_tokenizer
 
 VOCAB = 512
 _COMMON = dict(

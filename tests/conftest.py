@@ -32,7 +32,7 @@ def llama(checkpoint):
 
 @pytest.fixture(autouse=True)
 def _restore_logging():
-    """cli.main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""
+    """cli.main.main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""
     logger = logging.getLogger("exo_split")
     level, handlers = logger.level, list(logger.handlers)
     yield

@@ -17,14 +17,14 @@ import aiohttp
 TOKEN = "test-token-0123456789"
 
 
-# Measured node speeds are cached here, not in the user's ~/.cache (capabilities.py).
+# Measured node speeds are cached here, not in the user's ~/.cache (node/capabilities.py).
 CACHE = Path(tempfile.gettempdir()) / f"exo-split-test-cache-{os.getuid()}"
 
 
 class NodeProcess:
     """`exo-split node` as a child process. By default on 127.0.0.1 with --no-mdns: a node in
     the host's network namespace must never send multicast. `mdns=True` only together with
-    `prefix` = `ns_exec_prefix(ns)` of a namespace the test created (tests/netns.py)."""
+    `prefix` = `ns_exec_prefix(ns)` of a namespace the test created (exo_split/bench/netns.py)."""
 
     def __init__(
         self,

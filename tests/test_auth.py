@@ -19,10 +19,10 @@ from aiohttp import web
 from fakes import FakePrefillPeer, status
 from nodes import TOKEN, NodeProcess
 
-from exo_split import auth
 from exo_split.errors import ExoSplitError
-from exo_split.limits import Limits
-from exo_split.transport.server import NodeState, make_app
+from exo_split.node.routes import NodeState, make_app
+from exo_split.transport import auth
+from exo_split.transport.limits import Limits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,7 +65,7 @@ def test_token_sources_and_their_errors(tmp_path, caplog):
     loose = tmp_path / "loose"
     loose.write_text("secret-value\n")
     loose.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="exo_split.auth"):
+    with caplog.at_level(logging.WARNING, logger="exo_split.transport.auth"):
         assert auth.read_token(loose) == "secret-value"
     assert "chmod 600" in caplog.text and "secret-value" not in caplog.text
 
@@ -217,11 +217,11 @@ def test_token_never_in_logs_errors_reports_info_or_mdns(checkpoint, caplog):
     peer that refuses our token (fallback, and fallback none), a local request; then every
     log line, response, report and rendering is searched for the token."""
     from exo_split.backends import load_backend
-    from exo_split.coordinator import Coordinator
     from exo_split.discovery import NodeInfo, check_txt, node_txt
-    from exo_split.node import NodeConfig
+    from exo_split.node.agent import NodeConfig
+    from exo_split.node.decode import Coordinator
     from exo_split.report import load_report
-    from exo_split.report_text import render_terminal
+    from exo_split.report.text import render_terminal
     from exo_split.tokenizer import TextCodec
     from exo_split.transport.client import Timeouts
 

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from netns import netns_unavailable_reason
+
+from exo_split.bench.netns import netns_unavailable_reason
 
 _reason = netns_unavailable_reason()
 pytestmark = [
@@ -29,7 +30,7 @@ POINT_KEYS = (
 
 
 def _namespaces_of(pid: int) -> list[str]:
-    """Namespaces that tests/netns.py made for process `pid` (named exs<pid>x<n>a/b)."""
+    """Namespaces that exo_split/bench/netns.py made for process `pid` (named exs<pid>x<n>a/b)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"exs{pid}x")]
 

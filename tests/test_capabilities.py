@@ -1,4 +1,4 @@
-"""Measured speeds and their cache (capabilities.py), and the node-side discovery pieces
+"""Measured speeds and their cache (node/capabilities.py), and the node-side discovery pieces
 that need no network namespace: static-peer presence, pair choice, interface resolution."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
-from exo_split.capabilities import (
+from exo_split.discovery import NodeInfo, PeerInfo, choose_pair, prefill_candidates
+from exo_split.discovery.addresses import interface_addresses
+from exo_split.discovery.presence import Presence, mdns_interfaces
+from exo_split.node.capabilities import (
     CACHE_VERSION,
     Speeds,
     cache_file,
@@ -18,9 +21,6 @@ from exo_split.capabilities import (
     node_speeds,
     save_cached,
 )
-from exo_split.discovery import NodeInfo, PeerInfo, choose_pair, prefill_candidates
-from exo_split.discovery.mdns import interface_addresses
-from exo_split.discovery.presence import Presence, mdns_interfaces
 
 FP = "fp-tiny-0001"
 

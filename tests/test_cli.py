@@ -10,9 +10,9 @@ import sys
 
 from reference import reference_generate
 
-from exo_split import cli
-from exo_split.cli import main
-from exo_split.tinymodel import sample_prompt
+from exo_split.cli import generate as generate_cmd
+from exo_split.cli.main import main
+from exo_split.models.tiny import sample_prompt
 from exo_split.tokenizer import TextCodec
 
 PROMPT = sample_prompt(30, seed=1)
@@ -180,7 +180,7 @@ def test_ctrl_c_exits_130_with_one_line(llama, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "load_backend", interrupted)
+    monkeypatch.setattr(generate_cmd, "load_backend", interrupted)
     assert main(generate_args(llama, "--prompt", "ba")) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "exo-split: interrupted"
 

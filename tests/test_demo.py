@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from exo_split.tinymodel import DEFAULT_CONFIG, build_llama
+from exo_split.models.tiny import DEFAULT_CONFIG, build_llama
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """A cache dir holding the embedded default model, built once for this module."""
-    from exo_split.tinymodel import _BUILD_VERSION, DEFAULT_NAME
+    from exo_split.models.tiny import _BUILD_VERSION, DEFAULT_NAME
 
     root = tmp_path_factory.mktemp("cache")
     build_llama(root / f"{DEFAULT_NAME}-v{_BUILD_VERSION}", DEFAULT_CONFIG, seed=1234)
@@ -81,7 +81,7 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
     # The demo's tokens are the model's: the same request in-process gives the same ids.
     from exo_split.backends import load_backend
     from exo_split.handoff import split_generate
-    from exo_split.tinymodel import default_model_dir
+    from exo_split.models.tiny import default_model_dir
     from exo_split.tokenizer import TextCodec
 
     os.environ["EXO_SPLIT_CACHE"] = str(cache_dir)
@@ -89,7 +89,7 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
         model = default_model_dir()
     finally:
         del os.environ["EXO_SPLIT_CACHE"]
-    from exo_split.demo import default_prompt
+    from exo_split.node.local import default_prompt
 
     ids = TextCodec(model).tokenize(default_prompt(299, DEFAULT_CONFIG["vocab_size"]))
     t = load_backend("torch", model)

@@ -2,7 +2,7 @@
 
 mDNS never leaves namespaces these tests create: each zeroconf instance runs in a
 subprocess (tests/mdns_agent.py) started with `ip netns exec` inside a veth-joined pair
-of namespaces (tests/netns.py), bound to the veth addresses. No zeroconf code runs in
+of namespaces (exo_split/bench/netns.py), bound to the veth addresses. No zeroconf code runs in
 this process. Without root or `ip netns` those tests skip; the rest are pure.
 """
 
@@ -25,8 +25,14 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
-from netns import Netns, netns_pair, netns_unavailable_reason, ns_exec_prefix, rate_bits
 
+from exo_split.bench.netns import (
+    Netns,
+    netns_pair,
+    netns_unavailable_reason,
+    ns_exec_prefix,
+    rate_bits,
+)
 from exo_split.discovery import (
     ENV_VAR,
     TXT_KEYS,
@@ -45,7 +51,8 @@ from exo_split.discovery import (
     peers_from_env,
     probe_static,
 )
-from exo_split.discovery.mdns import instance_label, pick_host
+from exo_split.discovery.addresses import pick_host
+from exo_split.discovery.mdns import instance_label
 from exo_split.discovery.peers import format_url
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """Discovery end to end with real node agents (torch prefill, MLX decode).
 
 Over mDNS: each node runs inside its own network namespace, joined by a veth pair the test
-creates (tests/netns.py); every command that browses (`nodes`, `split-generate` without
+creates (exo_split/bench/netns.py); every command that browses (`nodes`, `split-generate` without
 addresses) runs inside a namespace too. Nothing here sends multicast from the host's
 namespace. Without multicast: nodes on 127.0.0.1 with --no-mdns and --peer addresses.
 """
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from netns import Netns, netns_pair, netns_unavailable_reason, ns_exec_prefix
 from nodes import CACHE, TOKEN, NodeProcess, request
 from reference import reference_generate
 
+from exo_split.bench.netns import Netns, netns_pair, netns_unavailable_reason, ns_exec_prefix
+from exo_split.models.tiny import sample_prompt
 from exo_split.spec import load_spec
-from exo_split.tinymodel import sample_prompt
 from exo_split.tokenizer import TextCodec
 
 pytestmark = pytest.mark.timeout(300)

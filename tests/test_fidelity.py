@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from exo_split import fidelity
-from exo_split.cli import main
+from exo_split.cli.main import main
 from exo_split.errors import ExoSplitError
 from exo_split.fidelity import PromptResult, first_mismatch, prompt_lengths, run_check
 from exo_split.spec import load_spec

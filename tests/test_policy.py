@@ -1,4 +1,4 @@
-"""The remote-or-local prefill policy on made-up capabilities (exo_split/policy.py)."""
+"""The remote-or-local prefill policy on made-up capabilities (exo_split/node/policy.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from exo_split.policy import (
+from exo_split.node.policy import (
     FIXED_THRESHOLD_TOKENS,
     Figures,
     LinkEstimate,

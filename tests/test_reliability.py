@@ -38,7 +38,7 @@ from nodes import TOKEN, NodeProcess, generate, request
 from reference import prompt_ids, reference_generate
 
 from exo_split.report import load_report
-from exo_split.report_text import render_terminal
+from exo_split.report.text import render_terminal
 from exo_split.transport import wire
 
 pytestmark = pytest.mark.timeout(300)

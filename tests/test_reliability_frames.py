@@ -195,7 +195,7 @@ json_values = st.recursive(
 
 @pytest.fixture(scope="module")
 def coordinator():
-    from exo_split.coordinator import Coordinator
+    from exo_split.node.decode import Coordinator
     from exo_split.spec import ModelSpec
 
     class Backend:
@@ -215,7 +215,7 @@ def coordinator():
     spec_edits=st.dictionaries(st.text(max_size=12), json_values, max_size=3),
 )
 def test_property_hello_contents_fail_only_as_peer_failures(coordinator, hello, spec_edits):
-    from exo_split.coordinator import PEER_FAILURES
+    from exo_split.node.decode import PEER_FAILURES
 
     if spec_edits:
         hello = {**hello, "spec": {**coordinator.spec.to_dict(), **spec_edits}}
@@ -228,7 +228,7 @@ def test_property_hello_contents_fail_only_as_peer_failures(coordinator, hello, 
     end=st.dictionaries(st.sampled_from(["pieces", "prefill_start", "prefill_end"]), json_values)
 )
 def test_property_end_contents_fail_only_as_protocol_errors(end):
-    from exo_split.coordinator import _check_end
+    from exo_split.node.decode import _check_end
 
     with contextlib.suppress(ProtocolError):
         _check_end("peer", end, 3)

@@ -19,11 +19,11 @@ from nodes import TOKEN
 from reference import prompt_ids, reference_generate
 
 from exo_split.backends import load_backend
-from exo_split.coordinator import Coordinator
-from exo_split.limits import Limits, decode_kv_bytes
+from exo_split.node.decode import Coordinator
+from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts
-from exo_split.transport.server import NodeState, make_app
+from exo_split.transport.limits import Limits, decode_kv_bytes
 
 pytestmark = pytest.mark.timeout(300)
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -56,7 +56,7 @@ def fake():
 
 @contextlib.asynccontextmanager
 async def serving(backends, ckpt, name: str, limits: Limits | None = None, peer: str | None = None):
-    """A node's app on 127.0.0.1 (as node.py runs it); yields (url, state)."""
+    """A node's app on 127.0.0.1 (as node/agent.py runs it); yields (url, state)."""
     limits = limits or Limits()
     backend, executor = backends[name]
     session: list[aiohttp.ClientSession] = []
@@ -234,9 +234,9 @@ def test_a_silent_generate_stream_gets_heartbeats(backends, ckpt, monkeypatch):
     """While a long prefill runs, the decode node writes a heartbeat event every HEARTBEAT_S
     of silence, so a client's idle timeout (60 s in split-generate) bounds a dead node, not a
     long local prefill."""
-    from exo_split.transport import server
+    from exo_split.node import routes
 
-    monkeypatch.setattr(server, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(routes, "HEARTBEAT_S", 0.05)
 
     async def run():
         async with (

@@ -31,7 +31,7 @@ from exo_split.report import (
     to_json,
     wire_intervals,
 )
-from exo_split.report_text import render_comparison, render_terminal
+from exo_split.report.text import render_comparison, render_terminal
 
 OFFSET = 100.0  # prefill clock = decode clock + OFFSET
 SYNC = ClockSync(
@@ -625,7 +625,7 @@ def test_t_ideal_takes_compute_times_from_the_sequential_run():
 
 
 def test_decision_line_is_short_and_says_what_was_chosen_and_why():
-    from exo_split.report_text import decision_text
+    from exo_split.report.text import decision_text
 
     decision = {
         "choice": "local",

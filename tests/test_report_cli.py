@@ -15,9 +15,9 @@ import pytest
 from nodes import TOKEN, NodeProcess
 from test_report_html import CHROMIUM, COLORS, Page, chromium, screenshot, share_near
 
+from exo_split.models.tiny import sample_prompt
 from exo_split.report import Comparison, HandoffReport, load
-from exo_split.report_html import render_html
-from exo_split.tinymodel import sample_prompt
+from exo_split.report.html import render_html
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 N_LAYERS = 6

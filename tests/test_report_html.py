@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, compare
-from exo_split.report_html import COLORS, render_html
+from exo_split.report.html import COLORS, render_html
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

@@ -1,6 +1,7 @@
-"""Finding the other node: mDNS (mdns.py) with a static `--peer host:port` fallback
-(static.py); both yield `PeerInfo`, merged and assigned roles in peers.py; find.py runs
-both at once for the CLI.
+"""Finding the other node: mDNS (mdns.py, with its TXT record in txt.py and the choice of
+addresses in addresses.py) with a static `--peer host:port` fallback (static.py); both yield
+`PeerInfo`, merged and assigned roles in peers.py; presence.py keeps a node's view current;
+find.py runs both at once for the CLI.
 
 No torch or mlx here: this package imports on any machine.
 """
@@ -8,14 +9,10 @@ No torch or mlx here: this package imports on any machine.
 from .find import NO_PEERS_HINT, Found, find_peers
 from .mdns import (
     SERVICE_TYPE,
-    TXT_KEYS,
     Advertiser,
     Browser,
     DiscoveryError,
     browse,
-    check_txt,
-    node_from_txt,
-    node_txt,
     open_zeroconf,
 )
 from .peers import (
@@ -38,6 +35,7 @@ from .static import (
     peers_from_env,
     probe_static,
 )
+from .txt import TXT_KEYS, check_txt, node_from_txt, node_txt
 
 __all__ = [
     "ENV_VAR",

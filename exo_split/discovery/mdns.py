@@ -2,22 +2,8 @@
 
 Service type `_exo-split._tcp.local.`; instance `<hostname>-<node id[:8]>`, whose host
 record is `<hostname>-<node id[:8]>.local.` (not the machine's own `<hostname>.local.`,
-which the OS responder owns). TXT record, all values strings:
-
-    key    meaning                              example
-    pv     protocol version                     "1"
-    id     node id                              "3f2a...c1" (32 hex)
-    name   human-readable node name             "spark"
-    be     backend                              "torch" | "mlx"
-    dev    device                               "cuda" | "metal" | "cpu"
-    model  model name                           "Llama-3.1-8B-Instruct"
-    fp     model fingerprint (must match)       "9c1e..."
-    roles  comma-separated roles                "prefill,decode"
-    ptps   measured prefill tokens/s            "10450.3"  (absent until measured)
-    dtps   measured decode tokens/s             "41.2"     (absent until measured)
-
-The auth token never goes into mDNS: `check_txt` refuses token-like keys (and any
-value listed in `never_publish`) on every publish.
+which the OS responder owns). The TXT record and its credential guard are in txt.py, the
+choice of addresses in addresses.py.
 
 Everything runs on the caller's event loop (no zeroconf thread), every network wait has
 a timeout, and a zeroconf instance opened here is closed here.
@@ -33,11 +19,10 @@ import logging
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from types import TracebackType
 
-import ifaddr
 from zeroconf import (
     BadTypeInNameException,
     IPVersion,
@@ -49,13 +34,19 @@ from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo, AsyncZerocon
 
 from exo_split.errors import ExoSplitError
 
+from .addresses import (
+    adapter_addresses,
+    check_interfaces,
+    local_addresses,
+    pick_host,
+    strip_zone,
+)
 from .peers import NodeInfo, PeerInfo
+from .txt import check_txt, node_from_txt, node_txt
 
 log = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_exo-split._tcp.local."
-TXT_KEYS = ("pv", "id", "name", "be", "dev", "model", "fp", "roles", "ptps", "dtps")
-_FORBIDDEN_KEY = re.compile(r"token|auth|secret|passw|credential|api[-_]?key", re.IGNORECASE)
 
 
 class DiscoveryError(ExoSplitError):
@@ -69,74 +60,7 @@ class _Unset(enum.Enum):
 UNSET = _Unset.UNSET
 
 
-# ---- TXT record -------------------------------------------------------------------------
-
-
-def check_txt(txt: Mapping[str, str], *, never_publish: Iterable[str] = ()) -> None:
-    """Raise ValueError if a TXT record would leak a credential or is malformed.
-
-    Keys that look like a credential (token, auth, secret, password, api key) are refused
-    outright; `never_publish` lists values (e.g. the node's token) that must not appear in
-    any value. The message never repeats the secret.
-    """
-    secrets = [s for s in never_publish if s]
-    for key, value in txt.items():
-        if _FORBIDDEN_KEY.search(key):
-            raise ValueError(f"refusing to publish TXT key {key!r}: credentials never go in mDNS")
-        if any(secret in key or secret in value for secret in secrets):
-            raise ValueError(f"refusing to publish TXT key {key!r}: its value contains a secret")
-        if len(key.encode()) + 1 + len(value.encode()) > 255:
-            raise ValueError(f"TXT entry {key!r} is longer than 255 bytes: {value[:40]!r}...")
-
-
-def _format_tps(tps: float) -> str:
-    return f"{tps:.6g}"
-
-
-def node_txt(node: NodeInfo) -> dict[str, str]:
-    """The TXT record for `node` (see the module docstring for the keys)."""
-    txt = {
-        "pv": str(node.protocol),
-        "id": node.node_id,
-        "name": node.name,
-        "be": node.backend,
-        "dev": node.device,
-        "model": node.model,
-        "fp": node.fingerprint,
-        "roles": ",".join(node.roles),
-    }
-    if node.prefill_tps is not None:
-        txt["ptps"] = _format_tps(node.prefill_tps)
-    if node.decode_tps is not None:
-        txt["dtps"] = _format_tps(node.decode_tps)
-    return txt
-
-
-def node_from_txt(txt: Mapping[str, str | None]) -> NodeInfo:
-    """Parse a received TXT record; ValueError names what is missing or wrong."""
-    required = ("pv", "id", "be", "dev", "model", "fp", "roles")
-    missing = [k for k in required if not txt.get(k)]
-    if missing:
-        raise ValueError(f"TXT record lacks {', '.join(missing)}")
-    try:
-        protocol = int(txt["pv"])  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise ValueError(f"TXT pv must be an integer, got {txt['pv']!r}") from exc
-    return NodeInfo(
-        node_id=txt["id"],  # type: ignore[arg-type]
-        name=txt.get("name") or txt["id"],  # type: ignore[arg-type]
-        backend=txt["be"],  # type: ignore[arg-type]
-        device=txt["dev"],  # type: ignore[arg-type]
-        model=txt["model"],  # type: ignore[arg-type]
-        fingerprint=txt["fp"],  # type: ignore[arg-type]
-        protocol=protocol,
-        roles=tuple(r for r in (txt["roles"] or "").split(",") if r),
-        prefill_tps=txt.get("ptps"),  # type: ignore[arg-type]  # NodeInfo parses
-        decode_tps=txt.get("dtps"),  # type: ignore[arg-type]
-    )
-
-
-# ---- names and addresses ----------------------------------------------------------------
+# ---- names ----------------------------------------------------------------------------
 
 
 def _label(text: str, limit: int) -> str:
@@ -149,79 +73,6 @@ def instance_label(node_id: str, hostname: str | None = None) -> str:
     return f"{_label(host, 40)}-{_label(node_id, 8)}"
 
 
-def _strip_zone(addr: str) -> str:
-    return addr.split("%", 1)[0]
-
-
-def _check_interfaces(interfaces: Sequence[str] | None) -> list[str] | None:
-    if interfaces is None:
-        return None
-    if isinstance(interfaces, str):
-        interfaces = [interfaces]
-    for addr in interfaces:
-        try:
-            ip = ipaddress.ip_address(_strip_zone(addr))
-        except ValueError as exc:
-            raise ValueError(f"interfaces must be IP addresses, got {addr!r}") from exc
-        if ip.is_unspecified:
-            raise ValueError(f"{addr!r} is not an interface address; pass None for all")
-    if not interfaces:
-        raise ValueError("interfaces is empty; pass None for all interfaces")
-    return list(interfaces)
-
-
-def _adapter_addresses() -> list[ipaddress.IPv4Interface | ipaddress.IPv6Interface]:
-    """Every address on this machine, with its prefix length."""
-    found: list[ipaddress.IPv4Interface | ipaddress.IPv6Interface] = []
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            addr = ip.ip[0] if isinstance(ip.ip, tuple) else ip.ip
-            with contextlib.suppress(ValueError):
-                found.append(ipaddress.ip_interface(f"{_strip_zone(addr)}/{ip.network_prefix}"))
-    return found
-
-
-def local_addresses() -> list[str]:
-    """Addresses worth advertising when no interfaces are given: IPv4 first, then global
-    or ULA IPv6; never link-local (useless without a zone); loopback only if nothing else."""
-    found = _adapter_addresses()
-    usable = [a for a in found if not a.ip.is_loopback and not a.ip.is_link_local]
-    usable.sort(key=lambda a: a.version)
-    chosen = usable or [a for a in found if a.ip.is_loopback]
-    return list(dict.fromkeys(str(a.ip) for a in chosen))
-
-
-def interface_addresses(items: Sequence[str]) -> list[str]:
-    """`--interface` values as addresses: an IP address stays as it is; an interface name
-    (en0, eth0) becomes its IPv4 and routable IPv6 addresses. ValueError names what is
-    unknown and lists the interfaces there are."""
-    out: list[str] = []
-    adapters = None
-    for item in items:
-        try:
-            ipaddress.ip_address(_strip_zone(item))
-            out.append(item)
-            continue
-        except ValueError:
-            pass
-        adapters = adapters if adapters is not None else ifaddr.get_adapters()
-        match = next((a for a in adapters if item in (a.nice_name, a.name)), None)
-        if match is None:
-            names = ", ".join(sorted({a.nice_name for a in adapters}))
-            raise ValueError(f"no interface or address {item!r} here (interfaces: {names})")
-        found = []
-        for ip in match.ips:
-            addr = ipaddress.ip_address(
-                _strip_zone(ip.ip[0] if isinstance(ip.ip, tuple) else ip.ip)
-            )
-            if not addr.is_link_local:
-                found.append(str(addr))
-        if not found:
-            raise ValueError(f"interface {item!r} has no usable IPv4 or IPv6 address")
-        out.extend(sorted(found, key=lambda a: ":" in a))
-    return list(dict.fromkeys(out))
-
-
 def open_zeroconf(interfaces: Sequence[str] | None = None) -> AsyncZeroconf:
     """A zeroconf instance on the running loop (call from a coroutine: no thread), to share
     between an Advertiser and a Browser; the caller closes it (`await zc.async_close()`).
@@ -229,12 +80,12 @@ def open_zeroconf(interfaces: Sequence[str] | None = None) -> AsyncZeroconf:
     On `interfaces` (IP addresses, IPv4 and/or IPv6; zeroconf picks the IP version from
     them), or on every interface, with IPv6 too when this machine has an IPv6 address.
     """
-    interfaces = _check_interfaces(interfaces)
+    interfaces = check_interfaces(interfaces)
     asyncio.get_running_loop()  # RuntimeError outside a coroutine: zeroconf would start a thread
     try:
         if interfaces is not None:
             return AsyncZeroconf(interfaces=interfaces)
-        if socket.has_ipv6 and any(a.version == 6 for a in _adapter_addresses()):
+        if socket.has_ipv6 and any(a.version == 6 for a in adapter_addresses()):
             try:
                 return AsyncZeroconf(ip_version=IPVersion.All)
             except OSError as exc:
@@ -246,22 +97,6 @@ def open_zeroconf(interfaces: Sequence[str] | None = None) -> AsyncZeroconf:
             f"cannot open mDNS sockets on {where}: {exc}",
             hint="check the address belongs to this machine, or use --peer host:port",
         ) from exc
-
-
-def pick_host(addresses: Sequence[str], local: Sequence[ipaddress._BaseNetwork] = ()) -> str:
-    """The address to connect to: one on a subnet we share first, then IPv4 over IPv6,
-    routable over loopback, link-local last. Order is otherwise kept."""
-
-    def rank(addr: str) -> tuple[bool, bool, bool, bool]:
-        ip = ipaddress.ip_address(_strip_zone(addr))
-        return (
-            not any(ip in net for net in local if net.version == ip.version),
-            ip.is_loopback,
-            ip.is_link_local,
-            ip.version != 4,
-        )
-
-    return min(addresses, key=rank)
 
 
 async def _settle(started: Awaitable[Awaitable[object]]) -> None:
@@ -309,7 +144,7 @@ class Advertiser:
         self._ttl = ttl
         self._node = node
         self._port = port
-        self._interfaces = _check_interfaces(interfaces)
+        self._interfaces = check_interfaces(interfaces)
         self._given_zc = zc
         self._zc: AsyncZeroconf | None = None
         self._label = instance_label(node.node_id, hostname)
@@ -352,7 +187,7 @@ class Advertiser:
     async def start(self) -> None:
         if self._info is not None:
             return
-        addresses = [_strip_zone(a) for a in self._interfaces or local_addresses()]
+        addresses = [strip_zone(a) for a in self._interfaces or local_addresses()]
         if not addresses:
             raise DiscoveryError(
                 "no network address to advertise",
@@ -459,7 +294,7 @@ class Browser:
         recheck_interval: float = 10.0,
         on_change: Callable[[list[PeerInfo]], None] | None = None,
     ) -> None:
-        self._interfaces = _check_interfaces(interfaces)
+        self._interfaces = check_interfaces(interfaces)
         self._given_zc = zc
         self._zc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
@@ -499,7 +334,7 @@ class Browser:
     async def start(self) -> None:
         if self._browser is not None:
             return
-        self._local_nets = [a.network for a in _adapter_addresses()]
+        self._local_nets = [a.network for a in adapter_addresses()]
         self._zc = self._given_zc or open_zeroconf(self._interfaces)
         self._browser = AsyncServiceBrowser(
             self._zc.zeroconf, SERVICE_TYPE, handlers=[self._on_service_state_change]

@@ -22,7 +22,8 @@ from typing import Any
 
 from zeroconf.asyncio import AsyncZeroconf
 
-from .mdns import Advertiser, Browser, DiscoveryError, local_addresses, open_zeroconf
+from .addresses import local_addresses
+from .mdns import Advertiser, Browser, DiscoveryError, open_zeroconf
 from .peers import NodeInfo, PeerInfo, merge_peers
 from .static import FetchInfo, PeerAddress, ProbeFailure, probe_static
 

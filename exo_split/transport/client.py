@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,6 +224,38 @@ async def generate_events(
                         yield _event(line, base_url)
             if pending.strip():
                 yield _event(pending, base_url)
+
+
+async def run_generate(
+    url: str,
+    token: str | None,
+    body: dict,
+    *,
+    on_event: Callable[[dict], None],
+    t0: float | None = None,
+    timeouts: Timeouts | None = None,
+) -> tuple[dict, float | None]:
+    """One request to a decode node, followed to its end: every event goes to `on_event`.
+
+    Returns (the `done` event, seconds from `t0` to the first token event); an `error` event
+    or a stream that ends without `done` raises ExoSplitError."""
+    t0 = time.perf_counter() if t0 is None else t0
+    ttft = None
+    async with aiohttp.ClientSession() as session:
+        events = generate_events(session, url, token, body, timeouts=timeouts or Timeouts())
+        async for event in events:
+            kind = event.get("type")
+            if kind == "token" and ttft is None:
+                ttft = time.perf_counter() - t0
+            if kind == "error":
+                raise ExoSplitError(
+                    f"the decode node failed the request: {event.get('message')}",
+                    hint=event.get("hint"),
+                )
+            on_event(event)
+            if kind == "done":
+                return event, ttft
+    raise ExoSplitError(f"{url} closed the stream before the request was done")
 
 
 def _event(line: bytes, peer: str) -> dict:

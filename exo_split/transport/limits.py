@@ -10,13 +10,13 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from exo_split.coordinator import PIECES_IN_FLIGHT
 from exo_split.errors import ExoSplitError
 from exo_split.kv import itemsize
-from exo_split.prefill import PrefillRequest
 from exo_split.spec import ModelSpec
+from exo_split.transport.messages import PrefillRequest
 
-PREFILL_QUEUE_DEPTH = 4  # computed pieces waiting for the sender (prefill.stream_prefill)
+PREFILL_QUEUE_DEPTH = 4  # computed pieces waiting for the sender (node/prefill.py)
+PIECES_IN_FLIGHT = 4  # received pieces waiting for injection; then the reader stops reading
 
 
 class Refused(ExoSplitError):

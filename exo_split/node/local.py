@@ -128,6 +128,6 @@ class LocalPair:
 
 
 def default_prompt(n_words: int, vocab_size: int) -> str:
-    from exo_split.tinymodel import sample_prompt
+    from exo_split.models.tiny import sample_prompt
 
     return sample_prompt(n_words, seed=2026, vocab_size=vocab_size)

@@ -1,5 +1,5 @@
 """The decode side of a split: pull the KV from a prefill peer, inject each layer as it lands,
-decode, and account for every moment (the Timeline of report.py).
+decode, and account for every moment (the Timeline of report/timeline.py).
 
 Reading the stream and injecting run as two tasks joined by a queue, so a layer is received
 while the previous one is being converted and written into the cache. All backend work runs
@@ -33,21 +33,21 @@ from exo_split.errors import (
     PeerUnavailable,
     ProtocolError,
 )
-from exo_split.handoff import check_request
 from exo_split.kv import LayerKV
-from exo_split.prefill import PrefillRequest, forget_frames, wait_through_cancel
+from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
-from exo_split.sampling import Sampling, sample
-from exo_split.spec import ModelSpec, require_compatible
+from exo_split.sampling import sample
+from exo_split.spec import ModelSpec, check_request, require_compatible
 from exo_split.tokenizer import TextCodec, TextStream
 from exo_split.transport import wire
 from exo_split.transport.client import Timeouts, prefill_frames
+from exo_split.transport.limits import PIECES_IN_FLIGHT
+from exo_split.transport.messages import GenerateRequest, PrefillRequest
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
 Emit = Callable[[dict], Awaitable[None]]
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
-PIECES_IN_FLIGHT = 4  # received pieces waiting for injection; then the reader stops reading
 
 
 class _Piece(NamedTuple):
@@ -57,58 +57,6 @@ class _Piece(NamedTuple):
     token_start: int
     n_tokens: int
     nbytes: int
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """The body of POST /v1/generate."""
-
-    prompt: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    max_tokens: int = 64
-    sampling: Sampling = field(default_factory=Sampling)
-    prefill_peer: str | None = None  # "http://host:port"; None: the node's choice
-    prefill: str = "auto"  # auto | remote | local
-    overlap: bool = True
-    chunk: int | None = None
-    fallback: str = "local"  # local | none
-
-    @classmethod
-    def from_json(cls, body: Any) -> GenerateRequest:
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        prompt, ids = body.get("prompt"), body.get("token_ids")
-        if (prompt is None) == (ids is None):
-            raise ValueError("give exactly one of prompt (text) or token_ids")
-        if prompt is not None and not isinstance(prompt, str):
-            raise ValueError("prompt must be a string")
-        if ids is not None and not (
-            isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)
-        ):
-            raise ValueError("token_ids must be a list of non-negative integers")
-        max_tokens = body.get("max_tokens", 64)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        prefill = body.get("prefill", "auto")
-        if prefill not in ("auto", "remote", "local"):
-            raise ValueError(f"prefill must be auto, remote or local, got {prefill!r}")
-        fallback = body.get("fallback", "local")
-        if fallback not in ("local", "none"):
-            raise ValueError(f"fallback must be local or none, got {fallback!r}")
-        chunk = body.get("chunk")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-        return cls(
-            prompt=prompt,
-            token_ids=tuple(ids) if ids is not None else None,
-            max_tokens=max_tokens,
-            sampling=Sampling.from_dict(body.get("sampling")),
-            prefill_peer=body.get("prefill_peer") or None,
-            prefill=prefill,
-            overlap=bool(body.get("overlap", True)),
-            chunk=chunk,
-            fallback=fallback,
-        )
 
 
 @dataclass

@@ -24,80 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exo_split.backends.base import Backend, Cancelled
-from exo_split.errors import PromptTooLong
-from exo_split.kv import DTYPES, LayerKV
-from exo_split.sampling import Sampling, sample
+from exo_split.kv import LayerKV
+from exo_split.sampling import sample
 from exo_split.transport import wire
+from exo_split.transport.messages import PrefillRequest
 
 log = logging.getLogger(__name__)
 
 Write = Callable[[Any], Awaitable[None]]
 clock = time.perf_counter
 _DONE = object()
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    """The body of POST /v1/prefill."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    sampling: Sampling = field(default_factory=Sampling)
-    spec: dict | None = None  # the decode side's ModelSpec.to_dict()
-    fingerprint: str = ""
-    overlap: bool = True
-    chunk: int | None = None
-    dtype: str | None = None  # the KV dtype the decode side wants on the wire
-
-    def to_json(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "token_ids": list(self.token_ids),
-            "sampling": self.sampling.to_dict(),
-            "spec": self.spec,
-            "fingerprint": self.fingerprint,
-            "start_pos": 0,
-            "overlap": self.overlap,
-            "chunk": self.chunk,
-            "dtype": self.dtype,
-        }
-
-    @classmethod
-    def from_json(cls, body: Any, *, max_tokens: int) -> PrefillRequest:
-        """Validate a request body; ValueError says what is wrong."""
-        if not isinstance(body, dict):
-            raise ValueError("the body must be a JSON object")
-        ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids:
-            raise ValueError("token_ids must be a non-empty list of integers")
-        if len(ids) > max_tokens:
-            raise PromptTooLong(
-                f"{len(ids)} prompt tokens exceed this node's limit of {max_tokens} "
-                "(--max-prompt-tokens)"
-            )
-        if not all(isinstance(t, int) and 0 <= t < 2**31 for t in ids):
-            raise ValueError("token_ids must be non-negative integers")
-        if body.get("start_pos", 0) != 0:
-            raise ValueError("start_pos other than 0 (prefix reuse) is not supported")
-        chunk = body.get("chunk")
-        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-        spec = body.get("spec")
-        if spec is not None and not isinstance(spec, dict):
-            raise ValueError("spec must be an object")
-        dtype = body.get("dtype")
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        return cls(
-            dtype=dtype,
-            request_id=str(body.get("request_id", ""))[:64],
-            token_ids=tuple(ids),
-            sampling=Sampling.from_dict(body.get("sampling")),
-            spec=spec,
-            fingerprint=str(body.get("fingerprint", "")),
-            overlap=bool(body.get("overlap", True)),
-            chunk=chunk,
-        )
 
 
 async def write_frame(write: Write, parts: list) -> None:

@@ -11,7 +11,7 @@ import math
 from html import escape
 
 from exo_split.report import Comparison, HandoffReport, piece_starts, time_span, wire_intervals
-from exo_split.report_text import (
+from exo_split.report.text import (
     COMPARISON_COLUMNS,
     comparison_cells,
     decision_text,

@@ -15,9 +15,8 @@ decode ITL after a handoff against mlx-lm's own prefill + decode of the same pro
 
 Every point is repeated and the medians are reported. The two nodes are pinned to one CPU each
 (two "machines"), the namespaces and processes are created and removed by the benchmark, and
-all traffic stays between its two namespaces. Needs root, iproute2, both backends and a source
-checkout (the namespace helpers live in tests/netns.py). Human-readable card on stdout, then
-the last line is one JSON document (`"schema": "exo-split.bench/1"`, docs/BENCHMARKS.md).
+all traffic stays between its two namespaces. Needs root, iproute2 and both backends.
+Human-readable card on stdout, then the last line is one JSON document (`"schema": "exo-split.bench/1"`, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from exo_split.bench_figures import Point, Run, layer_compute_s, render_card, summarize
-from exo_split.bench_lab import BenchError, Lab, Progress
+from exo_split.bench.figures import Point, Run, layer_compute_s, render_card, summarize
+from exo_split.bench.lab import BenchError, Lab, Progress
 
 # Per-layer compute of a few ms (128 tokens) to ~150 ms (4,096 tokens) on one CPU core.
 BENCH_CONFIG = {
@@ -149,7 +148,7 @@ def _cpus(text: str) -> tuple[int, int] | None:
 
 def bench_model(config_overrides: dict, progress: Progress) -> Path:
     """The bench checkpoint (random Llama weights), built once into the cache directory."""
-    from exo_split.tinymodel import DEFAULT_CONFIG, build_llama, default_model_dir
+    from exo_split.models.tiny import DEFAULT_CONFIG, build_llama, default_model_dir
 
     config = {**DEFAULT_CONFIG, **config_overrides}
     name = "exo-split-bench-{num_hidden_layers}L-{hidden_size}h-v1".format(**config)

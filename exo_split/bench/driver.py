@@ -1,4 +1,4 @@
-"""The benchmark's helpers inside its network namespaces: `python -m exo_split.bench_driver`.
+"""The benchmark's helpers inside its network namespaces: `python -m exo_split.bench.driver`.
 
 `source`: a plain TCP server on the prefill side; a client sends 8 bytes (big-endian length N)
 and gets N bytes back, written from one preallocated buffer. `drive`: a worker on the decode
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     elif argv == ["drive"]:
         drive()
     else:
-        print("usage: python -m exo_split.bench_driver (source HOST READY_FILE | drive)")
+        print("usage: python -m exo_split.bench.driver (source HOST READY_FILE | drive)")
         return 2
     return 0
 

@@ -1,5 +1,5 @@
 """The timing report as terminal text: the figures table, the per-layer timeline (fits 100
-columns) and the side-by-side comparison. Pure functions of report.py's HandoffReport."""
+columns) and the side-by-side comparison. Pure functions of report/timeline.py's HandoffReport."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import aiohttp
 import numpy as np
 
 from exo_split.errors import PeerUnavailable
-from exo_split.policy import LinkEstimate
+from exo_split.node.policy import LinkEstimate
 from exo_split.transport.client import auth_headers
 
 log = logging.getLogger(__name__)

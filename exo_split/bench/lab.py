@@ -6,7 +6,6 @@ created on entry and removed on exit (processes by pid, then the namespaces).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import selectors
@@ -18,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from exo_split.bench import netns
 from exo_split.errors import ExoSplitError
 
 TBF_LATENCY = "50ms"
@@ -26,18 +26,6 @@ Progress = Callable[[str], None]
 
 class BenchError(ExoSplitError):
     """The benchmark could not run or a measurement failed."""
-
-
-def _netns():
-    """tests/netns.py: one place for the namespace helpers, which need a source checkout."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "netns.py"
-    if not path.is_file():
-        raise BenchError(f"the benchmark runs from a source checkout: {path} is missing")
-    spec = importlib.util.spec_from_file_location("exo_split_bench_netns", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Lab:
@@ -52,7 +40,6 @@ class Lab:
         progress: Progress,
     ):
         self.model, self.cpus, self.logs, self.progress = model, cpus, logs, progress
-        self.netns = _netns()
         self.token = os.urandom(16).hex()
         self._tmp = tempfile.TemporaryDirectory(prefix="exo-split-bench-")
         self.work = Path(self._tmp.name)
@@ -60,11 +47,11 @@ class Lab:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Lab:
-        reason = self.netns.netns_unavailable_reason()
+        reason = netns.netns_unavailable_reason()
         if reason is not None:
             raise BenchError(f"cannot create network namespaces: {reason}")
         try:
-            self.a, self.b = self._stack.enter_context(self.netns.netns_pair())
+            self.a, self.b = self._stack.enter_context(netns.netns_pair())
             self._start()
         except BaseException:
             self.close()
@@ -84,7 +71,7 @@ class Lab:
         log = open(self.work / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         proc = subprocess.Popen(
-            [*self.netns.ns_exec_prefix(ns), sys.executable, *argv],
+            [*netns.ns_exec_prefix(ns), sys.executable, *argv],
             stderr=log, env=self._env(cpu is not None), preexec_fn=pin,
             **({"stdout": log, "stdin": subprocess.DEVNULL} | kw),
         )  # fmt: skip
@@ -104,9 +91,9 @@ class Lab:
             self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(self.model),
                         "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
                         "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
-        self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench_driver", "source",
+        self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench.driver", "source",
                     self.a.ipv4, str(self.work / "source.json")])  # fmt: skip
-        self._spawn("driver", self.b, decode_cpu, ["-m", "exo_split.bench_driver", "drive"],
+        self._spawn("driver", self.b, decode_cpu, ["-m", "exo_split.bench.driver", "drive"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.ready = {name: self._wait_ready(name) for name in ("prefill", "decode", "source")}
         self.decode_url = f"http://{self.b.ipv4}:{self.ready['decode']['port']}"
@@ -151,7 +138,7 @@ class Lab:
     def shape(self, rate_bits: int | None) -> None:
         """tbf on both ends of the veth pair (None: unshaped)."""
         for ns in (self.a, self.b):
-            base = [*self.netns.ns_exec_prefix(ns), "tc", "qdisc"]
+            base = [*netns.ns_exec_prefix(ns), "tc", "qdisc"]
             if rate_bits is None:
                 subprocess.run([*base, "del", "dev", ns.veth, "root"], capture_output=True)
                 continue

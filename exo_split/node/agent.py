@@ -24,17 +24,19 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from exo_split import PROTOCOL_VERSION, __version__, policy
+from exo_split import PROTOCOL_VERSION, __version__
 from exo_split.backends import load_backend
-from exo_split.capabilities import Speeds, node_speeds, probe_link
-from exo_split.coordinator import Coordinator, GenerateRequest
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable
-from exo_split.limits import Limits
+from exo_split.node import policy
+from exo_split.node.capabilities import Speeds, node_speeds, probe_link
+from exo_split.node.decode import Coordinator
+from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
-from exo_split.transport.server import NodeState, make_app
+from exo_split.transport.limits import Limits
+from exo_split.transport.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""CLI: `exo-split nodes` (who is out there), and the node finding of `split-generate` when
-no node is named. Parsing and printing only; discovery/ finds, peers.py chooses.
+"""Finding nodes from the command line, shared by `nodes`, `node` and `split-generate`: the
+discovery options, the static peers, and picking the decode and prefill nodes when none is
+named. discovery/ finds, discovery/peers.py chooses; this module only parses and prints.
 """
 
 from __future__ import annotations
@@ -7,30 +8,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo_split.cli.common import say, seconds
 from exo_split.errors import ExoSplitError
 
 DEFAULT_TIMEOUT = 2.0
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 3600:
-        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 3600, got {text!r}")
-    return value
+def _timeout(text: str) -> float:
+    return seconds(text, below=3600)
 
 
 def add_discovery_options(p: argparse.ArgumentParser, *, timeout: bool = True) -> None:
@@ -54,7 +44,7 @@ def add_discovery_options(p: argparse.ArgumentParser, *, timeout: bool = True) -
     if timeout:
         g.add_argument(
             "--timeout",
-            type=_seconds,
+            type=_timeout,
             default=DEFAULT_TIMEOUT,
             metavar="S",
             help=f"how long to listen for nodes (default {DEFAULT_TIMEOUT:g} s)",
@@ -72,7 +62,7 @@ def static_peers(args) -> list:
 
 
 def interfaces(args) -> list[str] | None:
-    from exo_split.discovery.mdns import interface_addresses
+    from exo_split.discovery.addresses import interface_addresses
 
     if not args.interface:
         return None
@@ -82,8 +72,8 @@ def interfaces(args) -> list[str] | None:
         raise ExoSplitError(f"--interface: {exc}") from exc
 
 
-def _token(token_file: Path | None) -> str | None:
-    from exo_split.auth import resolve_token
+def token_or_none(token_file: Path | None) -> str | None:
+    from exo_split.transport.auth import resolve_token
 
     try:
         return resolve_token(token_file, dict(os.environ), create=False)[0]
@@ -137,73 +127,6 @@ def peer_doc(p) -> dict[str, Any]:
 # ---- exo-split nodes ----------------------------------------------------------------------
 
 
-def add_nodes(subparsers) -> None:
-    p = subparsers.add_parser(
-        "nodes",
-        help="list the exo-split nodes found on the network",
-        description="Listen for nodes over mDNS (and ask the --peer addresses) and list them: "
-        "address, backend, device, model, fingerprint, measured speeds, how each was found.",
-    )
-    add_discovery_options(p)
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
-    p.add_argument(
-        "--token-file", type=Path, help="token for --peer addresses (default: as for node)"
-    )
-    p.set_defaults(func=cmd_nodes)
-
-
-def cmd_nodes(args) -> int:
-    from exo_split.discovery import NO_PEERS_HINT
-
-    found = discover(args, _token(args.token_file))
-    if args.json:
-        doc = {
-            "nodes": [peer_doc(p) for p in found.peers],
-            "failures": [{"address": str(f.address), "reason": f.reason} for f in found.failures],
-            "mdns": found.mdns,
-            "mdns_error": found.mdns_error,
-            "seconds": found.seconds,
-        }
-        print(json.dumps(doc), flush=True)
-    elif found.peers:
-        _print_table(found.peers)
-    for failure in found.failures:
-        _say(f"static peer {failure}")
-    if found.mdns_error:
-        _say(f"mDNS unavailable: {found.mdns_error}")
-    if not found.peers:
-        how = "over mDNS" if found.mdns else "at the --peer addresses"
-        _say(f"no exo-split node found {how} in {found.seconds:.1f} s")
-        _say(f"  hint: {NO_PEERS_HINT}")
-        return 1
-    return 0
-
-
-def _tps(x: float | None, fmt: str) -> str:
-    return "?" if x is None else format(x, fmt)
-
-
-def _print_table(peers) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD)
-    for col in ("name", "address", "backend", "device", "model", "fingerprint",
-                "prefill tok/s", "decode tok/s", "found by"):  # fmt: skip
-        table.add_column(col, justify="right" if "tok/s" in col else "left")
-    for p in peers:
-        addr = f"[{p.host}]:{p.port}" if ":" in p.host else f"{p.host}:{p.port}"
-        table.add_row(p.name, addr, p.backend, p.device, p.model, p.fingerprint[:12],
-                      _tps(p.prefill_tps, ".0f"), _tps(p.decode_tps, ".1f"), p.source)  # fmt: skip
-    # Piped output is not cut at 80 columns: a table is read whole or not at all.
-    width = None if sys.stdout.isatty() else 200
-    Console(file=sys.stdout, highlight=False, width=width).print(table)
-
-
-# ---- split-generate without named nodes ---------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Roles:
     """Who does what, as found: the decode node's URL, the prefill node to name (only
@@ -231,7 +154,7 @@ def find_roles(args, token: str) -> Roles:
 
     found = discover(args, token, enough=_has_pair)
     for failure in found.failures:
-        _say(f"static peer {failure}")
+        say(f"static peer {failure}")
     if not found.peers:
         raise ExoSplitError("no exo-split node found to run the request", hint=NO_PEERS_HINT)
     try:
@@ -248,7 +171,7 @@ def find_roles(args, token: str) -> Roles:
     plan = f"decode on {decode.name} ({decode.backend}/{decode.device}) at {decode.url}"
     if prefill is not None:
         plan += f"; prefill node {prefill.name} ({prefill.backend}/{prefill.device})"
-    _say(f"found {len(found.peers)} node(s) in {found.seconds:.1f} s: {plan}")
+    say(f"found {len(found.peers)} node(s) in {found.seconds:.1f} s: {plan}")
     summary = {
         "fingerprint": fingerprint,
         "decode": peer_doc(decode),

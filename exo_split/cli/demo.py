@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
 import signal
-import sys
 from pathlib import Path
 
+from exo_split.cli.common import run_request, say, with_client_ttft
 from exo_split.errors import ExoSplitError
 
 RANDOM_WEIGHTS_NOTE = "random weights: the text is noise, the timings are real"
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def add_demo(subparsers) -> None:
@@ -51,38 +45,34 @@ def _raise_on_sigterm() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from exo_split.cli_split import run_request
-    from exo_split.demo import LocalPair, default_prompt
-    from exo_split.report import build_report, load_report, to_json
-    from exo_split.report_html import render_html
-    from exo_split.report_text import render_terminal
+    from exo_split.models.tiny import ensure_default_model
+    from exo_split.node.local import LocalPair, default_prompt
+    from exo_split.report import to_json
+    from exo_split.report.html import render_html
+    from exo_split.report.text import render_terminal
     from exo_split.spec import load_spec
-    from exo_split.tinymodel import ensure_default_model
 
     if args.prompt_tokens < 1 or args.max_tokens < 1:
         raise ExoSplitError("--prompt-tokens and --max-tokens must be at least 1")
     _raise_on_sigterm()
     embedded = args.model is None
-    model_dir = ensure_default_model(progress=_say) if embedded else args.model
+    model_dir = ensure_default_model(progress=say) if embedded else args.model
     spec = load_spec(model_dir)
-    _say(f"model: {spec.name} ({spec.n_layers} layers, fingerprint {spec.fingerprint})")
+    say(f"model: {spec.name} ({spec.n_layers} layers, fingerprint {spec.fingerprint})")
     prompt = default_prompt(args.prompt_tokens - 1, spec.vocab_size)  # BOS makes one more
-    with LocalPair(model_dir, progress=_say, discover=args.discover) as pair:
+    with LocalPair(model_dir, progress=say, discover=args.discover) as pair:
         body = {
             "prompt": prompt,
             "max_tokens": args.max_tokens,
             "prefill_peer": None if args.discover else pair.addr("prefill"),
             "prefill": "remote",
         }
-        _say(f"splitting one request: ~{args.prompt_tokens} prompt tokens, {args.max_tokens} new")
+        say(f"splitting one request: ~{args.prompt_tokens} prompt tokens, {args.max_tokens} new")
         if embedded and not args.json:
-            _say(f"--- generated text ({RANDOM_WEIGHTS_NOTE}) ---")
-        done, ttft = asyncio.run(
-            run_request(f"http://{pair.addr('decode')}", pair.token, body, stream=not args.json)
-        )
-    report = build_report(
-        dataclasses.replace(load_report(done["report"]).timeline, client_ttft_s=ttft)
-    )
+            say(f"--- generated text ({RANDOM_WEIGHTS_NOTE}) ---")
+        url = f"http://{pair.addr('decode')}"
+        done, ttft = run_request(url, pair.token, body, stream=not args.json)
+    report = with_client_ttft(done["report"], ttft)
     args.report_html.write_text(render_html(report))
     if args.json:
         out = {k: done[k] for k in ("tokens", "text", "prompt_tokens")}
@@ -91,6 +81,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(json.dumps(out), flush=True)
     else:
         print(flush=True)
-        _say(render_terminal(report))
-        _say(f"HTML report: {args.report_html}")
+        say(render_terminal(report))
+        say(f"HTML report: {args.report_html}")
     return 0

@@ -1,6 +1,6 @@
 """The benchmark's figures from its runs (medians per point, the targets) and its card.
 
-Pure functions over report.py's HandoffReports and plain numbers; docs/BENCHMARKS.md says what
+Pure functions over the report's HandoffReports and plain numbers; docs/BENCHMARKS.md says what
 each figure means.
 """
 
@@ -234,7 +234,7 @@ def render_card(doc: dict, *, width: int = 120) -> str:
     from rich import box
     from rich.table import Table
 
-    from exo_split.report_text import render_rich
+    from exo_split.report.text import render_rich
 
     c = doc["config"]
     lines = [

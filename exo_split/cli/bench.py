@@ -1,0 +1,24 @@
+"""`exo-split bench`: the overlap benchmark between two network namespaces (root, Linux)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench(subparsers) -> None:
+    from exo_split.bench import run as bench
+
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark the overlapped handoff between two network namespaces (root, Linux)",
+        description=bench.__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from exo_split.bench import run as bench
+
+    return bench.main(args)

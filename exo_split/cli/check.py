@@ -1,0 +1,113 @@
+"""`exo-split check`: the fidelity self-test of every backend pairing against transformers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from exo_split.cli.common import PROG, add_model_options, error_lines, positive_int, say
+from exo_split.errors import IncompatiblePeer
+from exo_split.fidelity import CheckReport, run_check
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_check(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="fidelity self-test: does every split pairing give the reference tokens?",
+        description="Run built-in prompts through every installed pairing (torch->mlx, "
+        "mlx->torch, torch->torch, mlx->mlx) and compare greedy tokens and logits with each "
+        "backend alone and with transformers. Exit 0 when all agree, 1 otherwise.",
+    )
+    add_model_options(p)
+    p.add_argument(
+        "--decode-model",
+        metavar="DIR2",
+        help="load the decode side from another directory (the two machines' copies)",
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="default 16")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    try:
+        report = run_check(
+            args.model,
+            args.decode_model,
+            dtype=args.dtype,
+            max_tokens=args.max_tokens,
+            progress=say,
+        )
+    except IncompatiblePeer as exc:
+        print(error_lines(exc, prefix=f"{PROG}: check failed"), file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        _print_check(report)
+    if report.passed:
+        say(f"all {len(report.pairings)} pairings agree ({report.bar})")
+        return EXIT_OK
+    failing = "; ".join(f"{p.name}: {p.reason}" for p in report.failing)
+    say(
+        f"{PROG}: check failed: {len(report.failing)} of {len(report.pairings)} pairings disagree: {failing}"
+    )
+    return EXIT_FAILED
+
+
+def _print_check(report: CheckReport) -> None:
+    console = Console(file=sys.stdout, highlight=False)
+    decode_dir = f"  (decode side: {report.decode_model_dir})" if report.decode_model_dir else ""
+    console.print(f"model: {report.model_dir}{decode_dir}", markup=False)
+    console.print(
+        f"{report.dtype}, prompts of {', '.join(map(str, report.prompt_lengths))} tokens, "
+        f"{report.max_tokens} new tokens each; reference: {report.reference or 'none'}",
+        markup=False,
+    )
+    console.print(_check_table(report))
+    lines = [
+        "= alone: greedy tokens equal the decode backend run alone; = HF: equal transformers "
+        "generate() (no @i: first differing position); top-1, max Δ: teacher-forced vs the "
+        "reference's logits; prefill Δ: max |logit diff| of generated token 0",
+        f"bar: {report.bar}",
+        *(f"{p.name}: {p.reason}" for p in report.failing),
+        *(f"skipped {s}" for s in report.skipped),
+        *report.notes,
+    ]
+    for line in lines:
+        console.print(line, markup=False)
+
+
+def _check_table(report: CheckReport) -> Table:
+    # Token agreement is the bar in float32 only: in half precision it is informational.
+    style = "red" if report.dtype == "float32" else "yellow"
+
+    def agree(p, against: str, agrees: bool | None) -> str:
+        if agrees is None:
+            return "n/a"
+        return "yes" if agrees else f"[{style}]no @{p.first_mismatch(against)[1]}[/]"
+
+    def num(x: float | None, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("pairing", "= alone", "= HF", "top-1", "max Δ", "prefill Δ", "result"):
+        table.add_column(col, justify="left" if col in ("pairing", "result") else "right")
+    for p in report.pairings:
+        top1 = p.top1_agreement
+        table.add_row(
+            p.name,
+            agree(p, "baseline", p.agrees_with_baseline),
+            agree(p, "reference", p.agrees_with_reference),
+            "n/a" if top1 is None else f"{top1:.1%}",
+            num(p.max_logit_diff, ".2e"),
+            num(p.first_logit_diff, ".2e"),
+            "[green]pass[/]" if p.passed else "[red]FAIL[/]",
+        )
+    return table

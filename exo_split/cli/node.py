@@ -1,0 +1,117 @@
+"""`exo-split node`: a node agent for one model, served until Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from exo_split.cli.common import add_token_option, say, seconds, size
+from exo_split.cli.discover import add_discovery_options, interfaces, static_peers
+
+DEFAULT_PORT = 52417
+
+
+def add_node(subparsers) -> None:
+    p = subparsers.add_parser(
+        "node",
+        help="run a node agent (prefill and/or decode) for one model",
+        description="Load a model into one backend and serve it to peers over HTTP.",
+    )
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--backend", required=True, choices=("torch", "mlx"))
+    p.add_argument("--device", help="torch: cpu or cuda[:N] (default: cuda if present); mlx: cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default 0.0.0.0: all, so peers can reach it; every "
+        "request needs the token)",
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free port)")
+    add_discovery_options(p, timeout=False)
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="do not measure prefill/decode speed at start-up (advertise none unless cached)",
+    )
+    p.add_argument("--remeasure", action="store_true", help="measure speeds even if cached")
+    add_token_option(p)
+    add_limit_options(p)
+    p.add_argument("--ready-file", type=Path, help="write the node's info as JSON here when ready")
+    p.set_defaults(func=cmd_node)
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """Limits and timeouts of a node (docs/reliability.md has what each one bounds)."""
+    g = p.add_argument_group("limits and timeouts (docs/reliability.md)")
+    g.add_argument("--max-prompt-tokens", type=int, default=32_768)
+    g.add_argument("--max-concurrent", type=int, default=8, help="requests of each kind at once")
+    g.add_argument(
+        "--max-kv-bytes",
+        type=size,
+        default="8G",
+        metavar="SIZE",
+        help="KV held for requests in progress, e.g. 512M, 8G (default 8G)",
+    )
+    for flag, default, what in (
+        ("--connect-timeout", 5.0, "connecting to a peer"),
+        ("--first-frame-timeout", 30.0, "a prefill peer's first frame"),
+        ("--idle-timeout", 60.0, "the longest silence within a stream"),
+        ("--prefill-timeout", 600.0, "a whole remote prefill"),
+    ):
+        g.add_argument(flag, type=seconds, default=default, metavar="S", help=f"{what} (s)")
+    g.add_argument(
+        "--busy-wait",
+        type=lambda text: seconds(text, zero=True),
+        default=0.0,
+        metavar="S",
+        help="how long to keep asking a busy (503) prefill peer before prefilling locally",
+    )
+
+
+def cmd_node(args) -> int:
+    from exo_split.node.agent import Node, NodeConfig
+    from exo_split.node.capabilities import default_cache_dir
+    from exo_split.transport.auth import copy_instructions, resolve_token
+    from exo_split.transport.client import Timeouts
+    from exo_split.transport.limits import Limits
+
+    token, source = resolve_token(args.token_file, dict(os.environ), create=True)
+    if source.endswith("(new)"):
+        say(copy_instructions(Path(source.removesuffix(" (new)"))))
+    # Test hook (docs/reliability.md): SIGKILL the node once it has sent layer k.
+    die_after = os.environ.get("EXO_SPLIT_TEST_DIE_AFTER_LAYER")
+    config = NodeConfig(
+        model_dir=Path(args.model),
+        backend=args.backend,
+        token=token,
+        device=args.device,
+        dtype=args.dtype,
+        host=args.host,
+        port=args.port,
+        peers=tuple(str(a) for a in static_peers(args)),
+        mdns=not args.no_mdns,
+        interfaces=tuple(interfaces(args) or ()),
+        cache_dir=default_cache_dir(os.environ),
+        warmup=not args.no_warmup,
+        remeasure=args.remeasure,
+        limits=Limits(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_concurrent=args.max_concurrent,
+            max_kv_bytes=args.max_kv_bytes,
+        ),
+        timeouts=Timeouts(
+            connect=args.connect_timeout,
+            first_frame=args.first_frame_timeout,
+            idle=args.idle_timeout,
+            total=args.prefill_timeout,
+            busy_wait=args.busy_wait,
+        ),
+        ready_file=args.ready_file,
+        die_after_layer=int(die_after) if die_after else None,
+    )
+    node = Node(config, progress=say)
+    asyncio.run(node.serve())
+    return 0

@@ -1,0 +1,140 @@
+"""`exo-split split-generate`: one request through a decode node, with the KV from a prefill
+node; `--compare` runs it overlapped, sequential and local, one after another."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from exo_split.cli.common import (
+    add_prompt_options,
+    add_token_option,
+    read_prompt,
+    run_request,
+    say,
+    with_client_ttft,
+    write_html,
+)
+from exo_split.cli.discover import add_discovery_options, find_roles
+from exo_split.errors import ExoSplitError
+from exo_split.report import compare, to_json
+from exo_split.report.text import render_comparison, render_terminal
+
+# The runs of `split-generate --compare`, in the order they run: body overrides of each.
+COMPARE_RUNS = (
+    ("overlap", {"prefill": "remote", "overlap": True}),
+    ("sequential", {"prefill": "remote", "overlap": False}),
+    ("local", {"prefill": "local"}),
+)
+
+
+def add_split_generate(subparsers) -> None:
+    p = subparsers.add_parser(
+        "split-generate",
+        help="generate with prefill on one node and decode on another",
+        description="Send a request to the decode node, which pulls the prompt's KV from the "
+        "prefill node layer by layer, then decodes. Streams the text, then the timing report.",
+    )
+    add_prompt_options(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--decode-peer", metavar="HOST:PORT", help="the decode node (default: find the nodes)"
+    )
+    p.add_argument("--prefill-peer", metavar="HOST:PORT", help="the prefill node")
+    p.add_argument(
+        "--prefill",
+        choices=("auto", "remote", "local"),
+        default="auto",
+        help="auto (default): remote only when its estimated TTFT beats a local prefill",
+    )
+    add_discovery_options(p)
+    p.add_argument(
+        "--fingerprint", metavar="PREFIX", help="with several models around: the one to use"
+    )
+    p.add_argument("--prefill-chunk", type=int, help="prefill this many tokens at a time")
+    p.add_argument("--no-overlap", action="store_true", help="send KV only after the whole prefill")
+    p.add_argument("--fallback", choices=("local", "none"), default="local")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the request sequentially (no overlap) and locally; show all three",
+    )
+    p.add_argument("--report-html", type=Path, metavar="FILE", help="write the report as HTML")
+    add_token_option(p)
+    p.set_defaults(func=cmd_split_generate)
+
+
+def cmd_split_generate(args) -> int:
+    from exo_split.node.agent import peer_url
+    from exo_split.transport.auth import resolve_token
+
+    token, _ = resolve_token(args.token_file, dict(os.environ), create=False)
+    decode, roles = args.decode_peer, None
+    if decode is None:  # find the nodes: mDNS and --peer / $EXO_SPLIT_PEERS
+        roles = find_roles(args, token)
+        decode = roles.decode_url
+    body = {
+        "prompt": read_prompt(args),
+        "max_tokens": args.max_tokens,
+        "sampling": {"temperature": args.temperature, "seed": args.seed},
+        "prefill_peer": args.prefill_peer or (roles.prefill_url if roles else None),
+        "prefill": args.prefill,
+        "overlap": not args.no_overlap,
+        "chunk": args.prefill_chunk,
+        "fallback": args.fallback,
+    }
+    if args.compare:
+        return split_compare(args, peer_url(decode), token, body)
+    done, ttft = run_request(peer_url(decode), token, body, stream=not args.json)
+    report = with_client_ttft(done["report"], ttft)
+    if args.json:
+        doc = {k: done[k] for k in ("tokens", "text", "prompt_tokens")}
+        if roles is not None:
+            doc["nodes"] = roles.summary
+        doc["report"] = to_json(report)
+        print(json.dumps(doc), flush=True)
+    else:
+        print(flush=True)
+        say(render_terminal(report))
+    if args.report_html:
+        write_html(args.report_html, report)
+    return 0
+
+
+def split_compare(args, url: str, token: str | None, body: dict) -> int:
+    """`split-generate --compare`: the same request overlapped, sequential and local, one
+    after another on the same two nodes; prints the comparison (and writes --report-html)."""
+    if args.prefill == "local":
+        raise ExoSplitError(
+            "--compare needs a prefill peer", hint="drop --prefill local (and give --prefill-peer)"
+        )
+    reports, dones = {}, {}
+    for i, (name, overrides) in enumerate(COMPARE_RUNS):
+        stream = i == 0 and not args.json
+        if i:
+            say(f"[{name} run ...]")
+        done, ttft = run_request(url, token, {**body, **overrides}, stream=stream)
+        if stream:
+            print(flush=True)
+        reports[name] = with_client_ttft(done["report"], ttft)
+        dones[name] = done
+    comparison = compare(reports)
+    first = dones[COMPARE_RUNS[0][0]]
+    same = all(d["tokens"] == first["tokens"] for d in dones.values())
+    if not same and args.temperature == 0:
+        say("note: the three runs generated different tokens (see the JSON for each)")
+    if args.json:
+        doc = {k: first[k] for k in ("tokens", "text", "prompt_tokens")}
+        doc["same_tokens"] = same
+        doc["report"] = to_json(comparison)
+        print(json.dumps(doc), flush=True)
+    else:
+        say(render_terminal(reports["overlap"]))
+        say(render_comparison(comparison))
+    if args.report_html:
+        write_html(args.report_html, comparison)
+    return 0

@@ -1,0 +1,217 @@
+"""The node's HTTP endpoints: GET /v1/info, POST /v1/prefill (the KV frame stream) and
+POST /v1/generate (NDJSON events), on top of transport/server.py's plumbing.
+
+Handlers are thin: they validate, map errors to statuses, and hand the work to the prefill
+pipeline (node/prefill.py) or the decode coordinator (node/decode.py). Before a 200 an error
+is an HTTP status with a JSON body {code, message}; after it, an in-band ERROR frame
+(prefill) or an `error` event (generate).
+
+Admission happens before the 200, in this order: token (401), body and model (400/409/413),
+concurrency (503 + Retry-After), KV bytes (503 + Retry-After, or 413 if the request could
+never fit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
+from exo_split.node.decode import Coordinator
+from exo_split.node.prefill import Progress, clock, error_frame, stream_prefill, write_frame
+from exo_split.spec import ModelSpec, check_request, require_compatible
+from exo_split.transport.client import FRAMES_CONTENT_TYPE
+from exo_split.transport.limits import PREFILL_QUEUE_DEPTH, decode_kv_bytes, prefill_kv_bytes
+from exo_split.transport.messages import GenerateRequest, PrefillRequest
+from exo_split.transport.server import (
+    STATE,
+    ServerState,
+    Slot,
+    Writer,
+    base_app,
+    error,
+    finish,
+    hang_up,
+    json_body,
+    while_connected,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0  # a generate stream silent this long gets a heartbeat event (a long prefill)
+
+
+@dataclass(kw_only=True)
+class NodeState(ServerState):
+    """What the handlers need from the node agent."""
+
+    node_id: str
+    spec: ModelSpec
+    backend: Any
+    executor: Any
+    coordinator: Coordinator
+    info: dict
+    die_after_layer: int | None = None  # test hook, docs/reliability.md
+
+
+async def info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    stats = {
+        **state.stats,
+        "active": {kind: n for kind, n in state.busy.items() if n},
+        "kv_bytes_held": state.ledger.held,
+        "kv_bytes_peak": state.ledger.peak,
+        "kv_bytes_limit": state.ledger.limit,
+    }
+    return web.json_response({**state.info, "stats": stats})
+
+
+async def prefill(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    received = clock()
+    body = await json_body(request)
+    try:
+        req = PrefillRequest.from_json(body, max_tokens=state.limits.max_prompt_tokens)
+        if req.spec is not None:
+            require_compatible(state.spec, _peer_spec(req.spec), what="the decode node")
+        elif req.fingerprint != state.spec.fingerprint:
+            raise IncompatiblePeer(
+                f"fingerprint {req.fingerprint!r} != this node's {state.spec.fingerprint!r}"
+            )
+        check_request(state.spec, len(req.token_ids), 1)
+    except IncompatiblePeer as exc:
+        return error(409, "incompatible", str(exc))
+    except PromptTooLong as exc:
+        return error(413, "too_long", str(exc))
+    except (ValueError, TypeError, ExoSplitError) as exc:
+        return error(400, "bad_request", str(exc))
+    need = prefill_kv_bytes(state.spec, state.backend.dtype, req)
+    with Slot(state, "prefill"), state.ledger.hold(need, "this prefill"):
+        resp = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
+        await resp.prepare(request)
+        hello = {
+            "node_id": state.node_id,
+            "spec": state.spec.to_dict(),
+            "fingerprint": state.spec.fingerprint,
+            "request_id": req.request_id,
+            "prefill_received": received,
+        }
+        progress = Progress()
+        write = Writer(resp, state.timeouts.idle)
+        state.count("prefills")
+        work = stream_prefill(
+            state.backend,
+            state.executor,
+            req,
+            write,
+            hello=hello,
+            queue_depth=PREFILL_QUEUE_DEPTH,
+            put_timeout=state.timeouts.idle,
+            progress=progress,
+            die_after_layer=state.die_after_layer,
+        )
+        try:
+            await while_connected(request, work, on_lost=progress.cancel)
+        except ConnectionError as exc:
+            state.count("prefills_cancelled")
+            state.stats["last_cancel"] = progress.summary()
+            log.info("prefill %s: client went away (%s); cancelled", req.request_id, exc)
+            hang_up(request)
+            return resp
+        except Exception as exc:  # an in-band ERROR: the status is already 200
+            log.warning("prefill %s failed: %s", req.request_id, exc)
+            try:
+                await write_frame(write, error_frame(exc))
+            except ConnectionError:
+                hang_up(request)
+                return resp
+        await finish(request, resp, state.timeouts.idle)
+        return resp
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrived = clock()
+    body = await json_body(request)
+    try:
+        req = GenerateRequest.from_json(body)
+        ids = state.coordinator.tokenize(req)  # refuse what cannot run before the 200
+        if len(ids) > state.limits.max_prompt_tokens:
+            raise PromptTooLong(
+                f"{len(ids)} prompt tokens exceed this node's limit of "
+                f"{state.limits.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+    except PromptTooLong as exc:
+        return error(413, "too_long", str(exc))
+    except (ValueError, ExoSplitError) as exc:
+        return error(400, "bad_request", str(exc))
+    need = decode_kv_bytes(state.spec, state.backend.dtype, len(ids), req.max_tokens)
+    with Slot(state, "generate"), state.ledger.hold(need, "this request"):
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        write = Writer(resp, state.timeouts.idle)
+
+        async def emit(event: dict) -> None:
+            await write(json.dumps(event).encode() + b"\n")
+
+        async def heartbeat() -> None:
+            """Keeps the client's idle timeout for a dead node, not a long local prefill."""
+            if write.silent_for() >= HEARTBEAT_S:
+                await emit({"type": "heartbeat"})
+
+        state.count("generates")
+        try:
+            work = state.coordinator.generate(req, emit, arrived=arrived)
+            done = await while_connected(request, work, on_lost=lambda: None, tick=heartbeat)
+            if done["report"].get("fallback"):
+                state.count("fallbacks")
+            await emit(done)
+        except ConnectionError as exc:
+            state.count("generates_cancelled")
+            log.info("generate: client went away (%s); request cancelled", exc)
+            hang_up(request)
+            return resp
+        except ExoSplitError as exc:
+            state.count("failed")
+            event = {"type": "error", "code": type(exc).__name__, "message": str(exc)}
+            if exc.hint:
+                event["hint"] = exc.hint
+            await _emit_last(request, emit, event)
+        except Exception as exc:
+            state.count("failed")
+            log.exception("generate failed")
+            message = f"{type(exc).__name__}: {exc}"
+            await _emit_last(
+                request, emit, {"type": "error", "code": "internal", "message": message}
+            )
+        await finish(request, resp, state.timeouts.idle)
+        return resp
+
+
+async def _emit_last(request: web.Request, emit, event: dict) -> None:
+    try:
+        await emit(event)
+    except ConnectionError:
+        hang_up(request)
+
+
+def _peer_spec(d: dict) -> ModelSpec:
+    try:
+        return ModelSpec.from_dict(d)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"malformed model spec: {exc}") from exc
+
+
+def make_app(state: NodeState) -> web.Application:
+    app = base_app(state)
+    app.router.add_get("/v1/info", info)
+    app.router.add_post("/v1/prefill", prefill)
+    app.router.add_post("/v1/generate", generate)
+    return app
+
+
+__all__ = ["NodeState", "make_app"]

@@ -1,0 +1,130 @@
+"""The JSON bodies of the two node-to-node requests: POST /v1/prefill and POST /v1/generate.
+
+Frozen dataclasses with `from_json`, which validates a body and raises ValueError (or
+PromptTooLong) saying what is wrong, and `to_json`. No framework imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from exo_split.errors import PromptTooLong
+from exo_split.kv import DTYPES
+from exo_split.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """The body of POST /v1/prefill."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    sampling: Sampling = field(default_factory=Sampling)
+    spec: dict | None = None  # the decode side's ModelSpec.to_dict()
+    fingerprint: str = ""
+    overlap: bool = True
+    chunk: int | None = None
+    dtype: str | None = None  # the KV dtype the decode side wants on the wire
+
+    def to_json(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "token_ids": list(self.token_ids),
+            "sampling": self.sampling.to_dict(),
+            "spec": self.spec,
+            "fingerprint": self.fingerprint,
+            "start_pos": 0,
+            "overlap": self.overlap,
+            "chunk": self.chunk,
+            "dtype": self.dtype,
+        }
+
+    @classmethod
+    def from_json(cls, body: Any, *, max_tokens: int) -> PrefillRequest:
+        """Validate a request body; ValueError says what is wrong."""
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("token_ids must be a non-empty list of integers")
+        if len(ids) > max_tokens:
+            raise PromptTooLong(
+                f"{len(ids)} prompt tokens exceed this node's limit of {max_tokens} "
+                "(--max-prompt-tokens)"
+            )
+        if not all(isinstance(t, int) and 0 <= t < 2**31 for t in ids):
+            raise ValueError("token_ids must be non-negative integers")
+        if body.get("start_pos", 0) != 0:
+            raise ValueError("start_pos other than 0 (prefix reuse) is not supported")
+        chunk = body.get("chunk")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        spec = body.get("spec")
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError("spec must be an object")
+        dtype = body.get("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return cls(
+            dtype=dtype,
+            request_id=str(body.get("request_id", ""))[:64],
+            token_ids=tuple(ids),
+            sampling=Sampling.from_dict(body.get("sampling")),
+            spec=spec,
+            fingerprint=str(body.get("fingerprint", "")),
+            overlap=bool(body.get("overlap", True)),
+            chunk=chunk,
+        )
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """The body of POST /v1/generate."""
+
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)
+    prefill_peer: str | None = None  # "http://host:port"; None: the node's choice
+    prefill: str = "auto"  # auto | remote | local
+    overlap: bool = True
+    chunk: int | None = None
+    fallback: str = "local"  # local | none
+
+    @classmethod
+    def from_json(cls, body: Any) -> GenerateRequest:
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        prompt, ids = body.get("prompt"), body.get("token_ids")
+        if (prompt is None) == (ids is None):
+            raise ValueError("give exactly one of prompt (text) or token_ids")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        if ids is not None and not (
+            isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids)
+        ):
+            raise ValueError("token_ids must be a list of non-negative integers")
+        max_tokens = body.get("max_tokens", 64)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        prefill = body.get("prefill", "auto")
+        if prefill not in ("auto", "remote", "local"):
+            raise ValueError(f"prefill must be auto, remote or local, got {prefill!r}")
+        fallback = body.get("fallback", "local")
+        if fallback not in ("local", "none"):
+            raise ValueError(f"fallback must be local or none, got {fallback!r}")
+        chunk = body.get("chunk")
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        return cls(
+            prompt=prompt,
+            token_ids=tuple(ids) if ids is not None else None,
+            max_tokens=max_tokens,
+            sampling=Sampling.from_dict(body.get("sampling")),
+            prefill_peer=body.get("prefill_peer") or None,
+            prefill=prefill,
+            overlap=bool(body.get("overlap", True)),
+            chunk=chunk,
+            fallback=fallback,
+        )
