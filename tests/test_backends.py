@@ -116,14 +116,29 @@ def test_bfloat16_torch_to_mlx_teacher_forced_agreement(checkpoint, family):
     assert err < 0.1 * np.abs(ref).max()
 
 
+def _teacher_forced(backend, ids, forced):
+    """Logits of `backend` alone at the last prompt position and after each forced token."""
+    done = backend.prefill(ids, capacity=len(ids) + len(forced))
+    return np.stack([done.logits] + [backend.step(done.cache, t) for t in forced[:-1]])
+
+
 def test_bfloat16_split_agrees_with_each_backend_alone(llama):
+    """In bf16 the backends differ by about one ulp, so the split's greedy sequence is checked
+    against each backend alone, teacher-forced: at every step the split's token is that
+    backend's own greedy pick, or a near-tie for it (within 2% of the logit range)."""
     t = load_backend("torch", llama, dtype="bfloat16")
     m = load_backend("mlx", llama, dtype="bfloat16")
     ids = prompt_ids(100, seed=9)
     split = split_generate(t, m, ids, max_tokens=8).tokens
-    alone = split_generate(m, m, ids, max_tokens=8).tokens
-    assert split[0] == split_generate(t, t, ids, max_tokens=1).tokens[0]
-    assert len(split) == len(alone) == 8
+    assert len(split) == 8
+    for backend in (t, m):
+        logits = _teacher_forced(backend, ids, split)
+        picks = logits.argmax(-1)
+        chosen = logits[np.arange(len(split)), split]
+        gap = logits.max(-1) - chosen  # 0 where the backend alone picks the split's token
+        scale = logits.max() - logits.min()
+        assert (picks == split).mean() >= 7 / 8, (backend.name, picks.tolist(), split)
+        assert gap.max() <= 0.02 * scale, (backend.name, gap.tolist(), float(scale))
 
 
 def test_mlx_inject_fills_the_preallocated_cache_without_reallocating(llama):
@@ -138,7 +153,7 @@ def test_mlx_inject_fills_the_preallocated_cache_without_reallocating(llama):
     for _ in range(10):
         m.step(cache, 5)
     assert cache[0].keys.shape[2] == capacity >= 50
-    assert len(before) == m.spec.n_layers
+    assert [id(c.keys) for c in cache] == before  # written in place, never replaced
     np.testing.assert_allclose(
         m.export(m.prefill(ids).cache)[0].k, t.export(done.cache)[0].k, rtol=1e-4, atol=1e-4
     )
