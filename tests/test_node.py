@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from nodes import TOKEN, NodeProcess, generate_sync, request
@@ -155,7 +156,7 @@ def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
     from exo_split.tokenizer import TextCodec
 
     ckpt = checkpoint("llama", num_hidden_layers=6)
-    from exo_split.tinymodel import sample_prompt
+    from exo_split.models.tiny import sample_prompt
 
     prompt = sample_prompt(120, seed=4)
     env = {"EXO_SPLIT_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
@@ -181,3 +182,26 @@ def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
     assert text.returncode == 0, text.stderr
     assert text.stdout.strip() == doc["text"].strip()
     assert "exposed handoff" in text.stderr and "TTFT" in text.stderr
+
+
+SMOKE = Path(__file__).resolve().parents[1] / "scripts" / "smoke-two-machines"
+
+
+def _smoke(decode, prefill, token=TOKEN):
+    env = {"EXO_SPLIT_TOKEN": token, "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(SMOKE), decode.addr, prefill.addr, "--prompt-tokens", "300",
+           "--max-tokens", "4"]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_two_machine_smoke_script_passes_on_a_good_pair_and_says_what_is_wrong(pairs):
+    t, m = pairs["llama"]
+    good = _smoke(m, t)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "ok   KV streamed from the prefill node" in good.stdout
+    bad_token = _smoke(m, t, token="not-the-token")
+    assert bad_token.returncode == 1
+    assert "refused the token (401)" in bad_token.stdout
+    other_model = _smoke(m, pairs["qwen3"][0])
+    assert other_model.returncode == 1
+    assert "FAIL same model on both" in other_model.stdout
