@@ -3,6 +3,12 @@
 Sampling is stateless per step: step i draws its uniform number from (seed, i), so the
 prefill node can pick token 0 and the decode node continue with token 1.. and the whole
 sequence equals a single-machine run with the same seed.
+
+The rule, for temperature T > 0 and nucleus top_p: p = softmax(logits / T); tokens outside
+the nucleus (the most probable tokens, in order of probability, ties by id, until their sum
+reaches top_p; the first always counts) get p = 0; the token is the first id, in vocabulary
+order, where the cumulative sum of p passes u * sum(p), with u from (seed, step). T = 0 is
+greedy (argmax, lowest id on a tie).
 """
 
 from __future__ import annotations
@@ -16,17 +22,28 @@ import numpy as np
 class Sampling:
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def to_dict(self) -> dict:
-        return {"temperature": self.temperature, "seed": self.seed}
+        return {"temperature": self.temperature, "seed": self.seed, "top_p": self.top_p}
 
     @classmethod
     def from_dict(cls, d: dict | None) -> Sampling:
         d = d or {}
-        t = float(d.get("temperature", 0.0))
-        if not (0.0 <= t <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {t}")
-        return cls(temperature=t, seed=int(d.get("seed", 0)))
+        try:
+            return cls(
+                temperature=float(d.get("temperature", 0.0)),
+                seed=int(d.get("seed", 0)),
+                top_p=float(d.get("top_p", 1.0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad sampling settings {d!r}: {exc}") from exc
 
 
 GREEDY = Sampling()
@@ -49,6 +66,23 @@ def sample(logits: np.ndarray, sampling: Sampling, step: int) -> tuple[int, floa
         token = int(np.argmax(logits))
     else:
         p = np.exp(log_softmax(logits / sampling.temperature))
-        u = np.random.default_rng([sampling.seed, step]).random()
-        token = int(min(np.searchsorted(np.cumsum(p), u, side="right"), len(p) - 1))
+        if sampling.top_p < 1.0:
+            p = p * nucleus_mask(p, sampling.top_p)
+        u = uniform(sampling.seed, step)
+        cdf = np.cumsum(p)
+        token = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
     return token, float(logp[token])
+
+
+def uniform(seed: int, step: int) -> float:
+    """The one random number of generation step `step`: a pure function of (seed, step)."""
+    return float(np.random.default_rng([seed, step]).random())
+
+
+def nucleus_mask(p: np.ndarray, top_p: float) -> np.ndarray:
+    """1.0 for the tokens of the nucleus of `p`, else 0.0 (see the module docstring)."""
+    order = np.lexsort((np.arange(len(p)), -p))  # by probability, then by id
+    before = np.cumsum(p[order]) - p[order]  # mass of the more probable tokens
+    mask = np.zeros_like(p)
+    mask[order[before < top_p]] = 1.0
+    return mask

@@ -68,3 +68,23 @@ def test_sampling_greedy_and_seeded():
     assert logp == pytest.approx(float(np.log(p[1])), rel=1e-5)
     with pytest.raises(ValueError, match="temperature"):
         Sampling.from_dict({"temperature": -1})
+
+
+def test_top_p_keeps_only_the_nucleus_and_one_means_off():
+    logits = np.log(np.array([0.05, 0.5, 0.3, 0.15], np.float32))
+    # Nucleus of 0.7: 0.5 (mass before it 0) and 0.3 (mass before it 0.5 < 0.7); not 0.15.
+    s = Sampling(temperature=1.0, seed=3, top_p=0.7)
+    draws = [sample(logits, s, step)[0] for step in range(400)]
+    counts = np.bincount(draws, minlength=4) / 400
+    np.testing.assert_allclose(counts, [0, 0.5 / 0.8, 0.3 / 0.8, 0], atol=0.07)
+    assert set(draws) == {1, 2}
+    # A tiny top_p is greedy; top_p = 1 is exactly the plain temperature rule.
+    tiny = Sampling(temperature=1.0, seed=3, top_p=1e-6)
+    assert {sample(logits, tiny, step)[0] for step in range(50)} == {1}
+    plain, full = Sampling(temperature=1.0, seed=9), Sampling(temperature=1.0, seed=9, top_p=1.0)
+    assert [sample(logits, plain, i)[0] for i in range(100)] == [
+        sample(logits, full, i)[0] for i in range(100)
+    ]
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling.from_dict({"temperature": 1, "top_p": 0})
+    assert Sampling.from_dict(s.to_dict()) == s
