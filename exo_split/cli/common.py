@@ -8,9 +8,11 @@ output (--json) is the last line of stdout; progress and summaries go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,6 +147,41 @@ def with_client_ttft(report_json: dict, ttft: float | None) -> HandoffReport:
 
     report = load_report(report_json)
     return build_report(dataclasses.replace(report.timeline, client_ttft_s=ttft))
+
+
+@contextlib.contextmanager
+def conversion_progress() -> Iterator[Callable]:
+    """A `progress` callback for convert_gguf / ensure_smollm2: on a terminal a bar over the
+    tensors (stderr); elsewhere the uncounted steps as lines and the tensors every 10%."""
+    if not sys.stderr.isatty():
+        shown = {"decile": -1}
+
+        def plain(event) -> None:
+            if not event.total:
+                say(str(event))
+            elif (decile := 10 * event.done // event.total) > shown["decile"]:
+                shown["decile"] = decile
+                say(f"  {event.done}/{event.total} tensors")
+
+        yield plain
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    columns = ("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = None
+
+        def rich_progress(event) -> None:
+            nonlocal task
+            if not event.total:
+                bar.console.print(str(event), markup=False, highlight=False)
+                return
+            if task is None:
+                task = bar.add_task("converting tensors", total=event.total)
+            bar.update(task, completed=event.done)
+
+        yield rich_progress
 
 
 # --- one request through a decode node -------------------------------------------------

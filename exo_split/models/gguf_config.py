@@ -1,0 +1,190 @@
+"""config.json for a GGUF's model: transformers' names, both RoPE layouts, every flag explicit.
+
+Config translation is where silent errors live (DESIGN §3): every value that changes the maths
+is read from the GGUF or refused, never left to a loader's default. mlx-lm's Llama, for one,
+defaults to tied embeddings and reads only `rope_theta` / `rope_scaling`, while transformers 5
+reads `rope_parameters`; both are written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from exo_split.errors import BadCheckpoint
+from exo_split.models.gguf_vocab import Vocab
+
+# GGUF general.architecture -> (transformers model_type, class). Mistral 7B files say "llama".
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 RoPE, as per-frequency divisors
+
+
+def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) -> dict[str, Any]:
+    """config.json for transformers and mlx-lm: both RoPE layouts (transformers 5 reads
+    `rope_parameters`, mlx-lm `rope_theta`/`rope_scaling`), every flag written explicitly."""
+    arch = meta["general.architecture"]
+    model_type, class_name = ARCHITECTURES[arch]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise BadCheckpoint(f"the GGUF lacks {arch}.{name}, which the conversion needs")
+        return value
+
+    n_heads = int(key("attention.head_count"))
+    n_kv = _uniform(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // n_heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise BadCheckpoint(
+            f"key and value head sizes differ: {head_dim} != {meta[f'{arch}.attention.value_length']}"
+        )
+    if int(key("rope.dimension_count", head_dim)) != head_dim:
+        raise BadCheckpoint(
+            f"partial RoPE ({meta[f'{arch}.rope.dimension_count']} of {head_dim} dims) is not "
+            "supported: expected RoPE over the whole head"
+        )
+    if meta.get(f"{arch}.attention.sliding_window"):
+        raise BadCheckpoint("sliding-window attention GGUFs are not supported")
+    if "token_embd.weight" not in tensors:
+        raise BadCheckpoint("the GGUF has no token_embd.weight")
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])
+    if len(vocab.tokens) > vocab_size:
+        raise BadCheckpoint(f"{len(vocab.tokens)} tokens but only {vocab_size} embedding rows")
+    theta = float(key("rope.freq_base", 10000.0))
+    scaling = _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), theta, head_dim)
+    has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
+    attention_bias = has("attn_q.bias")
+    if model_type == "qwen2" and not attention_bias:
+        raise BadCheckpoint("qwen2 GGUF without attention biases (blk.0.attn_q.bias)")
+    config: dict[str, Any] = {
+        "architectures": [class_name],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(key("context_length", 4096)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": attention_bias,
+        "attention_dropout": 0.0,
+        "bos_token_id": vocab.bos_id,
+        "eos_token_id": vocab.eos_id,
+        "pad_token_id": vocab.pad_id,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,  # transformers 4 and older mlx-lm read this name
+    }
+    if has("ffn_up.bias") or has("attn_output.bias"):
+        raise BadCheckpoint("MLP or output-projection biases are not supported: expected none")
+    if model_type == "llama":
+        config["mlp_bias"] = False
+    else:
+        config |= {"use_sliding_window": False, "sliding_window": None}
+    return config
+
+
+def _uniform(value: Any, what: str) -> int:
+    """A per-layer array that must hold one value for every layer (or a plain int)."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise BadCheckpoint(
+                f"{what} differs between layers ({sorted(set(value))}): expected one value"
+            )
+        value = value[0]
+    return int(value)
+
+
+def _rope_scaling(meta, arch: str, freqs, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The rope_scaling dict of config.json (None: plain RoPE)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    if freqs is not None:
+        if kind not in (None, "none"):
+            raise BadCheckpoint(f"both rope_freqs and rope scaling {kind!r}: expected one")
+        from gguf import dequantize
+
+        return llama3_rope(np.asarray(dequantize(freqs.data, freqs.tensor_type)), theta, head_dim)
+    if kind in (None, "none") and (factor is None or float(factor) == 1.0):
+        return None
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise BadCheckpoint(
+        f"unsupported RoPE scaling {kind!r}: exo-split supports none, linear and llama3"
+    )
+
+
+def llama3_rope(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """The llama3 rope_scaling that yields llama.cpp's per-frequency divisors `factors`.
+
+    llama.cpp stores only the divisors. Meta's published values are tried first, then values
+    fitted to the divisors; whatever is returned is checked to reproduce them, else refused.
+    (original, low, high) and (c*original, c*low, c*high) give the same RoPE, so low is 1.0
+    unless a published triple matches.)
+    """
+    r = factors.astype(np.float64).reshape(-1)
+    if r.shape != (head_dim // 2,):
+        raise BadCheckpoint(f"rope_freqs has {r.size} values: expected {head_dim // 2}")
+    if np.allclose(r, 1.0):
+        return None
+    factor = float(r.max())
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    for low, high, original in _llama3_candidates(r, wavelen, factor):
+        if np.allclose(
+            _llama3_divisors(wavelen, factor, low, high, original), r, rtol=1e-4, atol=1e-6
+        ):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise BadCheckpoint(
+        f"rope_freqs.weight matches no llama3 RoPE scaling (factor {factor:g}): cannot say "
+        "what RoPE the model needs"
+    )
+
+
+def _llama3_divisors(wavelen, factor, low, high, original) -> np.ndarray:
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium)
+    )
+
+
+def _llama3_candidates(r, wavelen, factor) -> Iterator[tuple[float, float, int]]:
+    for original in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        yield 1.0, 4.0, original
+    mid = (r > 1 + 1e-6) & (r < factor * (1 - 1e-6))
+    # In the medium band, smooth = original / (high - 1) / wavelen - 1 / (high - 1): a line in
+    # 1/wavelen, whose two coefficients give high and original (low = 1).
+    smooth = (1 / r[mid] - 1 / factor) / (1 - 1 / factor)
+    if mid.sum() >= 2:
+        a, b = np.polyfit(1 / wavelen[mid], smooth, 1)
+        if b < 0:
+            yield 1.0, round(1 - 1 / b, 4), round(-a / b)
+    for high in (4.0, 2.0, 8.0):
+        if mid.any():
+            yield 1.0, high, round(float(np.median((smooth * (high - 1) + 1) * wavelen[mid])))
+        else:  # no medium band: any original between the two bands will do
+            above = wavelen[np.isclose(r, 1.0)].max(initial=0.0) * high
+            below = wavelen[np.isclose(r, factor)].min(initial=np.inf)
+            if above < below:
+                yield 1.0, high, math.floor(above) + 1

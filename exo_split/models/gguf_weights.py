@@ -1,0 +1,189 @@
+"""The weights of a GGUF as one safetensors file, streamed tensor by tensor.
+
+Each tensor is dequantized by the gguf package to float32, checked against the shape the
+config implies, un-permuted where llama.cpp permuted it, and written as float32 or bfloat16.
+The header is written first (shapes are known from the GGUF's tensor table), so memory holds
+one dequantized tensor at a time, whatever the model's size. No torch: bfloat16 is rounded
+here, bit for bit as torch rounds it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_split.errors import BadCheckpoint
+from exo_split.models.gguf_config import ROPE_FREQS
+
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor to write: where it comes from and what it must look like."""
+
+    source: Any  # gguf.ReaderTensor
+    name: str  # transformers name
+    shape: tuple[int, ...]  # transformers shape [out, in]
+    unpermute_heads: int | None  # llama Q/K: heads to undo llama.cpp's RoPE permutation over
+
+
+def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
+    """Every tensor to write, with its transformers name and checked shape."""
+    n_layers = config["num_hidden_layers"]
+    d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    expected = {
+        "model.embed_tokens.weight": (v, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (v, d),
+    }
+    per_layer = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (nh * hd, d),
+        "self_attn.k_proj.weight": (nkv * hd, d),
+        "self_attn.v_proj.weight": (nkv * hd, d),
+        "self_attn.o_proj.weight": (d, nh * hd),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    if config["attention_bias"]:
+        per_layer |= {
+            "self_attn.q_proj.bias": (nh * hd,),
+            "self_attn.k_proj.bias": (nkv * hd,),
+            "self_attn.v_proj.bias": (nkv * hd,),
+        }
+    if arch == "qwen3":
+        per_layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    for i in range(n_layers):
+        expected |= {f"model.layers.{i}.{k}": s for k, s in per_layer.items()}
+    if config["tie_word_embeddings"]:
+        del expected["lm_head.weight"]
+
+    plan = []
+    for gguf_name, t in tensors.items():
+        if gguf_name == ROPE_FREQS:
+            continue  # became rope_scaling in config.json
+        name = _hf_name(gguf_name, n_layers)
+        if name not in expected:
+            raise BadCheckpoint(f"unexpected tensor {gguf_name} in a {arch} GGUF")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        if shape != expected[name]:
+            raise BadCheckpoint(
+                f"{gguf_name} has shape {shape}, expected {expected[name]} from the metadata"
+            )
+        heads = None
+        if arch == "llama" and ".attn_q." in gguf_name:
+            heads = nh
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            heads = nkv
+        plan.append(PlannedTensor(t, name, shape, heads))
+    missing = sorted(set(expected) - {p.name for p in plan})
+    if missing:
+        raise BadCheckpoint(
+            f"the GGUF lacks {len(missing)} tensor(s) a {arch} model needs, e.g. {missing[0]}"
+        )
+    return plan
+
+
+def _hf_name(gguf_name: str, n_layers: int) -> str | None:
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
+    m = _LAYER.fullmatch(gguf_name)
+    if m and int(m[1]) < n_layers and m[2] in LAYER_TENSORS:
+        return f"model.layers.{m[1]}.{LAYER_TENSORS[m[2]]}"
+    return None
+
+
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: per head, rows [0, 2, 4.., 1, 3, 5..] of the
+    interleaved-pair layout back to transformers' two halves (rotate_half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _weights(plan: list[PlannedTensor]) -> Iterator[np.ndarray]:
+    from gguf import dequantize
+
+    for p in plan:
+        w = np.asarray(dequantize(p.source.data, p.source.tensor_type), dtype=np.float32)
+        w = w.reshape(p.shape)
+        if p.unpermute_heads:
+            w = unpermute_rope(w, p.unpermute_heads)
+        yield w
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (little-endian uint16) of float32 values, rounded to nearest even
+    as torch does; NaN stays a (quiet) NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype("<u2")
+    nan = np.isnan(x)
+    if nan.any():
+        bits[nan] = (u[nan] >> 16) | 0x40
+    return bits
+
+
+def write_safetensors(
+    path: Path,
+    plan: list[PlannedTensor],
+    dtype: str,
+    *,
+    metadata: dict[str, str],
+    on_tensor: Callable[[int, PlannedTensor], None] | None = None,
+) -> None:
+    """Stream `plan` into one safetensors file; `on_tensor(i, planned)` after each is written."""
+    code, size = ("F32", 4) if dtype == "float32" else ("BF16", 2)
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for p in plan:
+        n = math.prod(p.shape) * size
+        header[p.name] = {
+            "dtype": code,
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format aligns the data to 8 bytes
+    with path.open("wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for i, (p, w) in enumerate(zip(plan, _weights(plan), strict=True)):
+            bits = w.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(w)
+            f.write(np.ascontiguousarray(bits).reshape(-1).view(np.uint8))
+            if on_tensor:
+                on_tensor(i, p)
+        f.flush()
+        os.fsync(f.fileno())
