@@ -7,7 +7,8 @@ Layout of K and V: `[n_kv_heads, n_tokens, head_dim]`, row-major, keys already r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,13 +41,21 @@ def float32_from_bf16_words(words: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LayerKV:
-    """K and V of one layer for prompt positions [token_start, token_start + n_tokens)."""
+    """K and V of one layer for prompt positions [token_start, token_start + n_tokens).
+
+    `computed_at`: the producer's `time.perf_counter()` when the piece was computed (on CUDA
+    from events; None means "now", i.e. when the consumer sees it). `release`: call once when
+    the piece's bytes are no longer needed (after they are on the wire); on CUDA it frees a
+    pinned staging slot; None when the piece is a plain view with nothing to give back.
+    """
 
     layer: int
     token_start: int
     k: np.ndarray  # [n_kv_heads, n_tokens, head_dim], storage dtype
     v: np.ndarray  # same shape and dtype as k
     dtype: str  # "float32" | "float16" | "bfloat16"
+    computed_at: float | None = None
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.k.shape != self.v.shape or self.k.ndim != 3:
@@ -99,7 +108,13 @@ class LayerKV:
             return self
         k, v = (_to_float32(x, self.dtype) for x in (self.k, self.v))
         return LayerKV(
-            self.layer, self.token_start, _from_float32(k, dtype), _from_float32(v, dtype), dtype
+            self.layer,
+            self.token_start,
+            _from_float32(k, dtype),
+            _from_float32(v, dtype),
+            dtype,
+            self.computed_at,
+            self.release,
         )
 
 

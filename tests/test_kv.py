@@ -88,3 +88,15 @@ def test_top_p_keeps_only_the_nucleus_and_one_means_off():
     with pytest.raises(ValueError, match="top_p"):
         Sampling.from_dict({"temperature": 1, "top_p": 0})
     assert Sampling.from_dict(s.to_dict()) == s
+
+
+def test_layer_kv_carries_its_stamp_and_release_through_astype():
+    released = []
+    k = np.ones((2, 3, 4), dtype=np.float32)
+    kv = LayerKV(0, 0, k, k, "float32", computed_at=1.5, release=lambda: released.append(1))
+    assert LayerKV(0, 0, k, k, "float32").computed_at is None
+    assert LayerKV(0, 0, k, k, "float32").release is None
+    half = kv.astype("bfloat16")
+    assert half.computed_at == 1.5
+    half.release()
+    assert released == [1]
