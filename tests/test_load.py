@@ -101,25 +101,32 @@ def wait_idle(*nodes_, timeout: float = 10.0) -> None:
 def test_8_concurrent_requests_each_equal_their_solo_run(nodes, solo):
     prefill, decode = nodes["prefill"], nodes["decode"]
     wait_idle(prefill, decode)
-    idle = {name: rss(nodes[name]) for name in ("prefill", "decode")}
-    peaks = []
+    # The solo runs went through these two nodes one at a time: the ledger's running peak is
+    # now the largest single request's KV. Only requests held at once can raise it.
+    solo_peak = {n: stats(nodes[n])["kv_bytes_peak"] for n in ("prefill", "decode")}
+    assert all(solo_peak.values()), solo_peak
+    after = []
     for round_ in range(2):  # twice: memory that leaked per request would show as growth
         dones, elapsed = burst(decode, prefill)
         for done, want in zip(dones, solo, strict=True):
             assert done["report"]["fallback"] is None
             assert done["tokens"] == want
         wait_idle(prefill, decode)
-        after = {name: rss(nodes[name]) for name in ("prefill", "decode")}
-        peaks.append({n: stats(nodes[n])["kv_bytes_peak"] for n in ("prefill", "decode")})
-        print(f"burst {round_}: 8 requests in {elapsed:.2f} s; RSS MiB idle -> after: "
-              + ", ".join(f"{n} {idle[n] >> 20} -> {after[n] >> 20}" for n in idle)
-              + f"; KV peak held (ledger) {peaks[-1]}")  # fmt: skip
+        after.append({n: rss(nodes[n]) for n in ("prefill", "decode")})
+        peak = {n: stats(nodes[n])["kv_bytes_peak"] for n in ("prefill", "decode")}
+        print(f"burst {round_}: 8 requests in {elapsed:.2f} s; RSS MiB after: "
+              + ", ".join(f"{n} {after[-1][n] / 2**20:.1f}" for n in after[-1])
+              + f"; KV peak held (ledger) {peak}, solo {solo_peak}")  # fmt: skip
     # Both nodes held the KV of several requests at once, and none after the bursts.
     s_p, s_d = stats(prefill), stats(decode)
     assert s_p["kv_bytes_held"] == 0 and s_d["kv_bytes_held"] == 0
-    assert s_p["kv_bytes_peak"] > 0 and s_d["kv_bytes_peak"] > 0
-    # Resident memory settles: no per-request growth from one burst to the next.
-    assert all(after[n] - idle[n] < 256 * 2**20 for n in idle), (idle, after)
+    assert s_p["kv_bytes_peak"] > solo_peak["prefill"], (s_p, solo_peak)
+    assert s_d["kv_bytes_peak"] > solo_peak["decode"], (s_d, solo_peak)
+    # Resident memory settles: the second burst adds less than half of one burst's KV, so a
+    # node that kept each request's KV would fail (allocator caches fill in the first burst).
+    burst_kv = sum(d["report"]["kv_bytes"] for d in dones)
+    growth = {n: after[1][n] - after[0][n] for n in after[0]}
+    assert all(g < burst_kv / 2 for g in growth.values()), (growth, burst_kv)
 
 
 def test_prefill_node_at_its_limit_answers_503_with_retry_after(nodes):
