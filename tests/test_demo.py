@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reference import reference_generate
 
 from exo_split.models.tiny import DEFAULT_CONFIG, build_llama
 
@@ -78,10 +79,9 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
     # No node agent outlives the demo (their command lines name the demo's work directory).
     leftover = subprocess.run(["pgrep", "-f", "exo-split-demo-"], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout
-    # The demo's tokens are the model's: the same request in-process gives the same ids.
-    from exo_split.backends import load_backend
-    from exo_split.handoff import split_generate
+    # The demo's tokens are the model's: transformers on the same weights and prompt.
     from exo_split.models.tiny import default_model_dir
+    from exo_split.node.local import default_prompt
     from exo_split.tokenizer import TextCodec
 
     os.environ["EXO_SPLIT_CACHE"] = str(cache_dir)
@@ -89,21 +89,21 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
         model = default_model_dir()
     finally:
         del os.environ["EXO_SPLIT_CACHE"]
-    from exo_split.node.local import default_prompt
-
     ids = TextCodec(model).tokenize(default_prompt(299, DEFAULT_CONFIG["vocab_size"]))
-    t = load_backend("torch", model)
-    assert split_generate(t, t, ids, max_tokens=8).tokens == doc["tokens"]
+    assert len(ids) == 300
+    assert doc["tokens"] == reference_generate(model, ids, 8)
 
 
 @pytest.mark.parametrize("group", [False, True], ids=["sigint-to-demo", "ctrl-c-to-group"])
 def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exo_split", "demo", "--prompt-tokens", "2000",
-         "--max-tokens", "400", "--report-html", str(tmp_path / "r.html")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=_env(cache_dir), cwd=tmp_path, start_new_session=True,
-    )  # fmt: skip
+    text = tmp_path / "stdout.txt"  # the streamed tokens; a file, so the demo never blocks
+    with text.open("w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "exo_split", "demo", "--prompt-tokens", "2000",
+             "--max-tokens", "2000", "--report-html", str(tmp_path / "r.html")],
+            stdout=stdout, stderr=subprocess.PIPE, text=True,
+            env=_env(cache_dir), cwd=tmp_path, start_new_session=True,
+        )  # fmt: skip
     children, ports, seen = [], [], ""
     try:
         deadline = time.monotonic() + 180
@@ -115,7 +115,11 @@ def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group
         assert len(children) == 2, children
         ports = [p for c in children for p in _ports(c)]
         assert len(ports) == 2 and all(_bound(p) for p in ports)
-        time.sleep(0.5)  # midway: the request is in flight
+        # Midway: the first tokens have streamed, and 2,000 take far longer than the signal.
+        while time.monotonic() < deadline and not text.stat().st_size:
+            assert proc.poll() is None, seen
+            time.sleep(0.05)
+        assert text.stat().st_size, "no token streamed within 180 s"
         if group:
             os.killpg(proc.pid, signal.SIGINT)
         else:
@@ -125,7 +129,9 @@ def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert rc in (130, 0), rest
+    assert rc == 130, rest
+    assert "exo-split: interrupted" in rest, rest
+    assert "HTML report:" not in rest and "TTFT" not in rest, "the request ran to its end"
     assert "Traceback" not in rest, rest
     time.sleep(0.2)
     assert not [c for c in children if _alive(c)], "a node agent survived the demo"
