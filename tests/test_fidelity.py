@@ -140,4 +140,6 @@ def test_check_in_half_precision_uses_the_top1_bar(llama, capsys):
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["bar"].startswith("float16: teacher-forced top-1 agreement")
     assert "float16" in doc["reference"]
+    # Every pairing ran: a backend that failed to load in float16 is "skipped", not a pass.
+    assert [p["name"] for p in doc["pairings"]] == PAIRINGS and doc["skipped"] == []
     assert all(p["top1_agreement"] >= 0.9 for p in doc["pairings"])
