@@ -165,8 +165,9 @@ def test_prefill_node_sigkilled_after_layer_k_falls_back_to_local(nodes, expecte
     events, elapsed = _generate(decode, {"prefill_peer": dying.addr})
     assert dying.proc.wait(10) == -signal.SIGKILL
     rep = assert_fell_back(events, elapsed, expected, "closed the stream", bound=SLACK)
-    # What arrived before the kill is drawn in the report, then discarded.
-    assert len(rep["layers"]) <= k + 1
+    # What arrived before the kill is drawn in the report, then discarded: layers 0..k (the
+    # node awaits each frame's write and sleeps 0.2 s before its SIGKILL).
+    assert [p["layer"] for p in rep["layers"]] == list(range(k + 1))
     print(f"killed after layer {k}: fallback done in {elapsed:.2f} s ({rep['fallback']})")
     assert_idle(decode)
 
@@ -316,7 +317,10 @@ LIVE_STREAMS = 160
 def test_mutated_streams_against_a_live_decode_node(nodes, plan, ckpt):
     """The in-process run (test_reliability_frames.py) proves the parser; this sends mutated
     real streams to the running decode node: every request completes with the reference
-    tokens (a fallback or a valid parse), within the timeouts, and the node keeps serving."""
+    tokens (a fallback or a valid parse), within the timeouts, and the node keeps serving,
+    holding no KV after (its ledger). The decode side's memory after fallbacks is measured
+    exactly (MLX active memory) in test_reliability_limits.py; RSS here could not tell a
+    leak of these small requests' KV from noise."""
     ids = prompt_ids(40, seed=3)
     want = reference_generate(ckpt, ids, 4)
     decode = nodes["decode"]
@@ -326,7 +330,6 @@ def test_mutated_streams_against_a_live_decode_node(nodes, plan, ckpt):
     first = _done(asyncio.run(generate(decode.url, {"token_ids": ids, "max_tokens": 4, **body})))
     assert first["report"]["fallback"] is None and first["tokens"] == want
     frames = split_frames(record[0])
-    rss_before = _rss(decode)
     rng = random.Random(6)
     mutations = []
     for _ in range(LIVE_STREAMS):
@@ -358,22 +361,14 @@ def test_mutated_streams_against_a_live_decode_node(nodes, plan, ckpt):
         assert done["tokens"] == want, str(mutation)
         fallbacks += done["report"]["fallback"] is not None
         slowest = max(slowest, elapsed)
-    rss_after = _rss(decode)
     print(f"{LIVE_STREAMS} mutated streams in {time.monotonic() - t0:.1f} s: {fallbacks} "
-          f"fallbacks, slowest {slowest:.2f} s; decode RSS {rss_before >> 20} -> "
-          f"{rss_after >> 20} MiB")  # fmt: skip
+          f"fallbacks, slowest {slowest:.2f} s")  # fmt: skip
     assert fallbacks > LIVE_STREAMS * 0.8
-    assert rss_after - rss_before < 200 * 2**20
     # ... and it keeps serving, with nothing held
     done = _done(_generate(decode, {"prefill_peer": nodes["prefill"].addr})[0])
     assert done["report"]["fallback"] is None
     assert decode.proc.poll() is None
     assert_idle(decode)
-
-
-def _rss(node) -> int:
-    with open(f"/proc/{node.proc.pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 # ---- cancellation ---------------------------------------------------------------------------
@@ -407,7 +402,6 @@ def _check_stopped_within_one_layer(prefill, before: dict, left_at: float) -> di
     assert s.get("prefills_cancelled", 0) == before.get("prefills_cancelled", 0) + 1, s
     assert cancel["pieces_computed"] - cancel["pieces_at_cancel"] <= 1, cancel
     assert cancel["pieces_computed"] < cancel["pieces_total"], cancel
-    assert cancel["stopped_after_s"] < 1.0, cancel
     assert_idle(prefill)
     print(f"prefill stopped {noticed:.2f} s after the client left: {cancel}")
     return cancel
