@@ -19,12 +19,16 @@ def test_bf16_rounding_matches_torch():
 
 
 def test_layer_kv_bytes_round_trip_without_copies():
-    k = np.arange(2 * 3 * 4, dtype=np.float16).reshape(2, 3, 4)
-    kv = LayerKV(1, 10, k, -k, "float16")
+    k = np.arange(2 * 3 * 4, dtype=np.float16).reshape(2, 3, 4)  # [H, T, D]
+    v = -k
+    kv = LayerKV(1, 10, k, v, "float16")
     kb, vb = kv.buffers()
     back = LayerKV.from_bytes(1, 10, 3, 2, 4, "float16", kb, vb)
+    assert (back.layer, back.token_start, back.n_tokens, back.dtype) == (1, 10, 3, "float16")
+    assert back.k.shape == back.v.shape == (2, 3, 4)
     np.testing.assert_array_equal(back.k, k)
-    assert np.shares_memory(back.k, k)
+    np.testing.assert_array_equal(back.v, v)
+    assert np.shares_memory(back.k, k) and np.shares_memory(back.v, v)
     assert kv.nbytes == 2 * k.nbytes and kv.n_tokens == 3
 
 
