@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from nodes import TOKEN, NodeProcess, generate_sync, request
 from reference import prompt_ids, reference_generate
+from test_cli import _Recorder
+
+from exo_split.cli.main import main
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -91,14 +94,14 @@ def _stats(node) -> dict:
 @pytest.mark.parametrize("token", [None, "wrong-token"])
 def test_wrong_or_missing_token_is_refused_before_any_work(pairs, token):
     t, m = pairs["llama"]
-    before = _stats(t)
+    before = _stats(t), _stats(m)
     body = {"request_id": "x", "token_ids": [1, 2, 3], "fingerprint": t.info["fingerprint"]}
     for node, path in ((t, "/v1/prefill"), (m, "/v1/generate"), (t, "/v1/info")):
         status, raw, _ = asyncio.run(request("POST" if "info" not in path else "GET",
                                              node.url + path, token=token, json=body))  # fmt: skip
         assert status == 401, raw
         assert TOKEN not in raw.decode()
-    assert _stats(t) == before
+    assert (_stats(t), _stats(m)) == before  # neither node counted a prefill or a generate
     status, _, _ = asyncio.run(request("GET", f"{t.url}/v1/health", token=None))
     assert status == 200
 
@@ -151,7 +154,7 @@ def test_prefill_endpoint_answers_409_naming_fields(pairs, checkpoint):
     assert not raw.startswith(b"EXOS")
 
 
-def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
+def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint, monkeypatch, capsys):
     t, m = pairs["llama"]
     from exo_split.tokenizer import TextCodec
 
@@ -160,9 +163,10 @@ def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
 
     prompt = sample_prompt(120, seed=4)
     env = {"EXO_SPLIT_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"}
+    args = ["split-generate", "--prompt", prompt, "--max-tokens", "8", "--decode-peer", m.addr,
+            "--prefill-peer", t.addr]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "exo_split", "split-generate", "--prompt", prompt, "--max-tokens",
-         "8", "--decode-peer", m.addr, "--prefill-peer", t.addr, "--json"],
+        [sys.executable, "-m", "exo_split", *args, "--json"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -172,16 +176,22 @@ def test_split_generate_cli_streams_and_ends_with_json(pairs, checkpoint):
     rep = doc["report"]
     assert rep["ttft_source"] == "client" and rep["ttft_s"] > 0
     assert rep["prefill_compute_s"] > 0 and rep["kv_bytes"] > 0
+    assert [p["layer"] for p in rep["layers"]] == list(range(6))
     for key in ("compute_done", "sent", "received", "injected"):
         assert all(key in p for p in rep["layers"])
-    text = subprocess.run(
-        [sys.executable, "-m", "exo_split", "split-generate", "--prompt", prompt, "--max-tokens",
-         "8", "--decode-peer", m.addr, "--prefill-peer", t.addr],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
-    assert text.returncode == 0, text.stderr
-    assert text.stdout.strip() == doc["text"].strip()
-    assert "exposed handoff" in text.stderr and "TTFT" in text.stderr
+    # Without --json the text streams: one write and flush of stdout per token as it arrives
+    # (in process, so the writes can be seen one by one), then the report card on stderr.
+    monkeypatch.setenv("EXO_SPLIT_TOKEN", TOKEN)
+    monkeypatch.delenv("EXO_SPLIT_PEERS", raising=False)
+    stdout = _Recorder()
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(args) == 0
+    writes = [i for i, (kind, _) in enumerate(stdout.events) if kind == "write"]
+    assert len(writes) >= 8, "one write per token, not the text at the end"
+    assert all(stdout.events[i + 1][0] == "flush" for i in writes)
+    assert stdout.text().strip() == doc["text"].strip()
+    err = capsys.readouterr().err
+    assert "exposed handoff" in err and "TTFT" in err
 
 
 SMOKE = Path(__file__).resolve().parents[1] / "scripts" / "smoke-two-machines"
@@ -198,10 +208,20 @@ def test_two_machine_smoke_script_passes_on_a_good_pair_and_says_what_is_wrong(p
     t, m = pairs["llama"]
     good = _smoke(m, t)
     assert good.returncode == 0, good.stdout + good.stderr
-    assert "ok   KV streamed from the prefill node" in good.stdout
+    checks = [line.split(": ", 1)[0] for line in good.stdout.splitlines()]
+    assert checks == [
+        f"ok   decode node at {m.url}",
+        f"ok   prefill node at {t.url}",
+        "ok   same model on both",
+        "ok   split request",
+        "ok   KV streamed from the prefill node",
+    ], good.stdout
+    # A failed check stops the script before it sends a request.
     bad_token = _smoke(m, t, token="not-the-token")
     assert bad_token.returncode == 1
-    assert "refused the token (401)" in bad_token.stdout
+    assert bad_token.stdout.count("refused the token (401)") == 2, bad_token.stdout
+    assert "split request" not in bad_token.stdout
     other_model = _smoke(m, pairs["qwen3"][0])
     assert other_model.returncode == 1
     assert "FAIL same model on both" in other_model.stdout
+    assert "split request" not in other_model.stdout
