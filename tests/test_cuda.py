@@ -16,6 +16,7 @@ from reference import prompt_ids, reference_generate, reference_logits
 
 from exo_split.backends import load_backend
 from exo_split.handoff import split_generate
+from exo_split.kv import LayerKV
 
 DEVICE = os.environ.get("EXO_SPLIT_TEST_DEVICE", "cpu")
 
@@ -33,7 +34,17 @@ def test_pieces_come_in_order_and_equal_the_device_cache(llama, device, chunk):
     assert backend.device == torch.device(device).type
     ids = prompt_ids(150, seed=21)
     pieces = []
-    done = backend.prefill(ids, chunk=chunk, on_layer=pieces.append)
+
+    def on_layer(kv: LayerKV) -> None:
+        # A copy of the bytes as handed over: a piece handed on before its device-to-host
+        # copy completed would differ from the cache; compared later, it would not.
+        pieces.append(LayerKV(kv.layer, kv.token_start, kv.k.copy(), kv.v.copy(), kv.dtype))
+
+    if backend.device == "cuda":
+        # Hold the compute stream back (~0.1 s of GPU spinning) so that each layer's copy
+        # lands long after its update() call returns: an early hand-over would see it empty.
+        torch.cuda._sleep(200_000_000)
+    done = backend.prefill(ids, chunk=chunk, on_layer=on_layer)
     n, layers = 150, backend.spec.n_layers
     starts = [0] if chunk is None else list(range(0, n, chunk))
     assert [(p.layer, p.token_start) for p in pieces] == [
