@@ -9,15 +9,23 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from nodes import TOKEN, NodeProcess
-from test_report_html import CHROMIUM, COLORS, Page, chromium, screenshot, share_near
+from reference import reference_generate
+from test_report_html import (  # noqa: F401 - needs_chromium is a fixture
+    COLORS,
+    Page,
+    chromium,
+    needs_chromium,
+    screenshot,
+    share_near,
+)
 
 from exo_split.models.tiny import sample_prompt
 from exo_split.report import Comparison, HandoffReport, load
 from exo_split.report.html import render_html
+from exo_split.tokenizer import TextCodec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 N_LAYERS = 6
@@ -38,20 +46,26 @@ def pair(checkpoint, tmp_path_factory):
             node.stop()
 
 
-def exo_split(*args: str) -> subprocess.CompletedProcess:
+def exo_split(*args: str, merged: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI; `merged`: stderr into stdout, in the order they were written."""
     env = {**os.environ, "EXO_SPLIT_TOKEN": TOKEN, "EXO_SPLIT_PEERS": ""}
+    err = subprocess.STDOUT if merged else subprocess.PIPE
     return subprocess.run(
-        [sys.executable, "-m", "exo_split", *args], capture_output=True, text=True, env=env,
-        timeout=300,
+        [sys.executable, "-m", "exo_split", *args], stdout=subprocess.PIPE, stderr=err,
+        text=True, env=env, timeout=300,
     )  # fmt: skip
 
 
-def split_generate(pair, *args: str, words: int = 1500) -> subprocess.CompletedProcess:
+def split_generate(
+    pair, *args: str, words: int = 1500, merged: bool = False
+) -> subprocess.CompletedProcess:
     prefill, decode = pair
     prompt = sample_prompt(words, seed=7)
     peers = ("--decode-peer", decode.addr, "--prefill-peer", prefill.addr)
-    out = exo_split("split-generate", "--prompt", prompt, "--max-tokens", "6", *peers, *args)
-    assert out.returncode == 0, out.stderr
+    out = exo_split(
+        "split-generate", "--prompt", prompt, "--max-tokens", "6", *peers, *args, merged=merged
+    )
+    assert out.returncode == 0, out.stderr or out.stdout
     return out
 
 
@@ -89,11 +103,16 @@ def test_compare_runs_three_ways_and_reports_them_side_by_side(pair, tmp_path):
     assert (tmp_path / "again.html").read_text() == render_html(comparison)
 
 
-def test_compare_prints_the_table_after_the_streamed_text(pair):
-    out = split_generate(pair, "--compare", words=300)
-    assert out.stdout.strip()  # the first run's text, streamed
-    assert "exo-split · compare" in out.stderr and "[sequential run ...]" in out.stderr
-    assert "overlap efficiency" in out.stderr
+def test_compare_prints_the_table_after_the_streamed_text(pair, checkpoint):
+    out = split_generate(pair, "--compare", words=300, merged=True).stdout
+    ckpt = checkpoint("llama", num_hidden_layers=N_LAYERS)
+    codec = TextCodec(ckpt)
+    text = codec.detokenize(reference_generate(ckpt, codec.tokenize(sample_prompt(300, seed=7)), 6))
+    # stdout and stderr share one pipe here, so the order they were written in shows: the
+    # first run's text, then the next runs, then the table.
+    assert text.strip() and text in out, out
+    assert out.index(text) < out.index("[sequential run ...]") < out.index("exo-split · compare")
+    assert "overlap efficiency" in out[out.index("exo-split · compare") :]
 
 
 def test_compare_needs_a_prefill_peer(pair):
@@ -120,10 +139,7 @@ def test_report_command_rerenders_a_single_run(pair, tmp_path):
     assert failed.returncode == 2 and "not a saved exo-split report" in failed.stderr
 
 
-@pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason=f"{CHROMIUM} missing: install the Debian package `chromium` to run the screenshot test",
-)
+@pytest.mark.usefixtures("needs_chromium")
 def test_chromium_renders_the_report_of_a_real_run(pair, tmp_path):
     page = tmp_path / "report.html"
     split_generate(pair, "--report-html", str(page))
