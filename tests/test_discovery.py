@@ -140,8 +140,16 @@ def test_peers_from_env() -> None:
 
 def test_probe_static_reports_failures_without_raising() -> None:
     good = node("b" * 32, backend="mlx", device="metal", decode_tps=41.0)
+    asked: list[int] = []
+    all_in = asyncio.Event()
 
     async def fetch_info(host: str, port: int) -> dict[str, Any]:
+        # Each probe waits until all four are in flight: probed one after another, the
+        # first would time out and h:1 would not be found (no clock needed to see it).
+        asked.append(port)
+        if len(asked) == 4:
+            all_in.set()
+        await all_in.wait()
         if port == 1:
             return good.to_info_dict()
         if port == 2:
@@ -150,20 +158,19 @@ def test_probe_static_reports_failures_without_raising() -> None:
             await asyncio.sleep(10)
         return {"node_id": "x"}  # port 4: not a /v1/info answer
 
-    t0 = time.monotonic()
     result = asyncio.run(
         probe_static(
             ["h:1", PeerAddress("h", 2), "h:3", "h:4", "h:1"], fetch_info=fetch_info, timeout=0.3
         )
     )
-    assert time.monotonic() - t0 < 2.0  # probes run concurrently, each bounded
+    assert sorted(asked) == [1, 2, 3, 4]  # once per distinct address
     (found,) = result.peers
     assert found.source == "static" and (found.host, found.port) == ("h", 1)
     assert found.decode_tps == 41.0 and found.backend == "mlx" and found.addresses == ("h",)
     reasons = {f.address.port: f.reason for f in result.failures}
     assert set(reasons) == {2, 3, 4}
     assert "ConnectionRefusedError" in reasons[2] and "refused" in reasons[2]
-    assert "within 0.3 s" in reasons[3]
+    assert "within 0.3 s" in reasons[3]  # each probe is bounded
     assert "bad GET /v1/info answer: missing field(s) name" in reasons[4]
 
 
@@ -561,8 +568,8 @@ def test_clean_stop_disappears_and_restart_is_found_on_new_port(ns_pair, agents)
     gone = watcher.expect(
         "node gone", lambda e: e["event"] == "peers" and peer_in(e, node_id) is None, 5
     )
+    # Seen within the 5 s wait, so a goodbye, not the records' TTL (minutes) running out.
     print(f"clean stop seen by the peer after {gone['t'] - t_stop:.2f} s")
-    assert gone["t"] - t_stop < 3.0  # a goodbye, not a TTL expiry
 
     # Restarted on another port, on all of its interfaces this time (no --iface).
     second = agents(a, "node", "--node-id", node_id, "--port", "8202")
@@ -595,6 +602,7 @@ def test_crashed_node_is_dropped_after_its_ttl(ns_pair, agents) -> None:
     gone = watcher.expect(
         "node dropped", lambda e: e["event"] == "peers" and peer_in(e, node_id) is None, 10
     )
+    # Within the 10 s wait: the 2 s TTL ran out (ttl + recheck + resolve timeout is 5.5 s),
+    # where the default TTL would have kept it listed for minutes.
     print(f"crashed node dropped after {gone['t'] - t_kill:.2f} s (ttl 2 s)")
-    assert gone["t"] - t_kill < 2 + 0.5 + 3.0 + 1.5  # ttl + recheck + resolve timeout + slack
     watcher.stop()
