@@ -39,6 +39,8 @@ def test_pieces_come_in_order_and_equal_the_device_cache(llama, device, chunk):
         # A copy of the bytes as handed over: a piece handed on before its device-to-host
         # copy completed would differ from the cache; compared later, it would not.
         pieces.append(LayerKV(kv.layer, kv.token_start, kv.k.copy(), kv.v.copy(), kv.dtype))
+        if kv.release is not None:  # copied: the producer may reuse its staging buffer now
+            kv.release()
 
     if backend.device == "cuda":
         # Hold the compute stream back (~0.1 s of GPU spinning) so that each layer's copy
