@@ -62,6 +62,8 @@ def prefill_into(
 
     def on_layer(kv):
         decode.inject(cache, kv.astype(decode.dtype))
+        if kv.release is not None:  # the bytes are in the decode cache: the staging slot is free
+            kv.release()
 
     done = prefill.prefill(token_ids, chunk=chunk, on_layer=on_layer)
     return cache, done.logits

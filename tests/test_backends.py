@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -184,3 +186,123 @@ def test_a_device_torch_cannot_use_is_one_clear_error(llama):
     if not torch.cuda.is_available():
         with pytest.raises(ExoSplitError, match="sees no CUDA GPU"):
             load_backend("torch", llama, device="cuda")
+
+
+def test_torch_pieces_on_the_cpu_are_views_of_the_cache(llama):
+    """The CPU needs no staging: a piece is the cache's own memory, handed on at once."""
+    backend = load_backend("torch", llama)
+    assert not backend.ring.bounded and backend.ring.host_bytes == 0
+    pieces = []
+    done = backend.prefill(prompt_ids(100, seed=3), chunk=40, on_layer=pieces.append)
+    for kv in pieces:
+        buffer = done.cache.layers[kv.layer].buffers[0][0].numpy()
+        assert np.shares_memory(kv.k, buffer)
+        np.testing.assert_array_equal(
+            kv.k, buffer[:, kv.token_start : kv.token_start + kv.n_tokens]
+        )
+
+
+def test_torch_compute_thread_stays_run_ahead_pieces_ahead_of_the_device(llama):
+    """The run-ahead bound's bookkeeping, with a clock that logs: after recording piece p's
+    event, the compute thread waits for piece p - run_ahead's (on CUDA: an event synchronize,
+    the device, never the network)."""
+    backend = load_backend("torch", llama)
+    log = []
+
+    class LoggingClock:
+        n = 0
+
+        def record(self):
+            self.n += 1
+            log.append(("record", self.n))
+            return self.n
+
+        def wait(self, event):
+            log.append(("wait", event))
+
+        def seconds(self, event):
+            return float(event)
+
+    backend.ops.begin = LoggingClock
+    backend.prefill(prompt_ids(150, seed=4), chunk=64)
+    pieces = 3 * backend.spec.n_layers
+    expected = []
+    for p in range(1, pieces + 1):
+        expected.append(("record", p))
+        if p > backend.run_ahead:
+            expected.append(("wait", p - backend.run_ahead))
+    assert log == [*expected, ("record", pieces + 1)]  # + the forward's end
+
+
+def test_mlx_prefills_in_chunks_by_default_with_the_same_kv_and_logits(llama, monkeypatch):
+    backend = load_backend("mlx", llama)
+    ids = prompt_ids(150, seed=5)
+    full = np.array(backend.model(mx.array([ids]))[0, -1])  # every position's logits, then one
+    monkeypatch.setattr(mb, "PREFILL_CHUNK", 64)
+    pieces = []
+    done = backend.prefill(ids, on_layer=pieces.append)
+    n = backend.spec.n_layers
+    assert [(p.layer, p.token_start) for p in pieces] == [
+        (i, s) for s in (0, 64, 128) for i in range(n)
+    ]
+    np.testing.assert_allclose(done.logits, full, rtol=1e-4, atol=1e-4)
+    assert done.computed_at >= max(p.computed_at for p in pieces)
+    t = load_backend("torch", llama)
+    whole = t.export(t.prefill(ids).cache)
+    for kv, ref in zip(backend.export(done.cache), whole, strict=True):
+        np.testing.assert_allclose(kv.k, ref.k, rtol=1e-4, atol=1e-4)
+
+
+def test_mlx_prefill_never_holds_logits_for_every_position(checkpoint):
+    """A 1,024-token prompt with a 32K vocabulary: [T, vocab] float32 logits would be 134 MB;
+    the prefill's peak is a fraction of that (only the last position reaches the head)."""
+    backend = load_backend("mlx", checkpoint("llama", vocab_size=32768))
+    ids = prompt_ids(1024, seed=6)
+    full_logits = len(ids) * backend.spec.vocab_size * 4
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    done = backend.prefill(ids)
+    peak = mx.get_peak_memory() - base
+    assert done.logits.shape == (backend.spec.vocab_size,)
+    assert peak < full_logits / 4, f"peak {peak:,} B against {full_logits:,} B of logits"
+
+
+def test_mlx_local_prefill_runs_layer_by_layer_so_a_stop_is_bounded(llama):
+    """Without on_layer (a local or fallback prefill), each layer is still evaluated as it is
+    reached: between two polls of should_stop the evaluated memory grows by at least one
+    layer's K/V, so the poll that says stop comes within one layer of one chunk of the work,
+    not after one lazy graph of the whole prompt has run."""
+    backend = load_backend("mlx", llama)
+    ids = prompt_ids(600, seed=7)
+    kv_bytes = 2 * backend.spec.n_kv_heads * backend.spec.head_dim * 4 * len(ids)
+    memory = []
+
+    def should_stop():
+        memory.append(mx.get_active_memory())
+        return len(memory) == backend.spec.n_layers  # stop at the last layer
+
+    with pytest.raises(mb.Cancelled, match=f"cancelled at layer {backend.spec.n_layers - 1}"):
+        backend.prefill(ids, should_stop=should_stop)
+    assert all(b - a >= kv_bytes for a, b in pairwise(memory)), memory
+
+
+def test_mlx_stream_kv_hands_on_views_of_the_cache_with_the_prefill_stamps(llama):
+    backend = load_backend("mlx", llama)
+    done = backend.prefill(prompt_ids(130, seed=8), chunk=50, capacity=140)
+    pieces = []
+    backend.stream_kv(done.cache, pieces.append, chunk=60)
+    n = backend.spec.n_layers
+    assert [(p.layer, p.token_start, p.n_tokens) for p in pieces] == [
+        (i, s, min(60, 130 - s)) for s in (0, 60, 120) for i in range(n)
+    ]
+    # A piece's stamp is when the prefill computed its last position (chunks of 50 there).
+    computed = {(i, e): t for i, c in enumerate(done.cache) for e, t in c.computed}
+    for p in pieces:
+        end = min(130, 50 * -(-(p.token_start + p.n_tokens) // 50))
+        assert p.computed_at == computed[(p.layer, end)]
+        assert np.shares_memory(p.k, np.array(done.cache[p.layer].keys, copy=False))
+    for kv in backend.export(done.cache):
+        mine = [p for p in pieces if p.layer == kv.layer]
+        np.testing.assert_array_equal(np.concatenate([p.k for p in mine], axis=1), kv.k)
+        np.testing.assert_array_equal(np.concatenate([p.v for p in mine], axis=1), kv.v)

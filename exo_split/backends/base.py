@@ -23,6 +23,9 @@ OnLayer = Callable[[LayerKV], None]
 class Prefilled:
     cache: Any  # the backend's cache object, holding prompt KV
     logits: np.ndarray  # float32 [vocab] at the last prompt position
+    # time.perf_counter() when the forward ended (device time on a GPU); prefill() itself
+    # returns only once every piece was handed to on_layer, which can be later.
+    computed_at: float | None = None
 
 
 class Backend(Protocol):
@@ -41,8 +44,28 @@ class Backend(Protocol):
         capacity: int | None = None,
     ) -> Prefilled:
         """Run the prompt; hand each (chunk, layer) KV piece to `on_layer` as soon as that
-        layer has produced it (host memory, storage dtype of kv.py). `should_stop` is polled
-        between layers: when it returns True the prefill raises `Cancelled`."""
+        layer has produced it (host memory, storage dtype of kv.py), chunk-major, then layer,
+        then consecutive token ranges (a backend may split a chunk's layer into several).
+
+        `on_layer` may be called from any thread (the compute thread, or a staging thread on
+        CUDA) and must not block on the network; a piece with `release` holds a slot of the
+        node's staging ring until release() is called (or the piece is dropped). Returns once
+        every piece was handed on. `should_stop` is polled as each layer writes its KV: when it
+        returns True the prefill raises `Cancelled` (the bound per backend: docs/reliability.md).
+        """
+        ...
+
+    def stream_kv(
+        self,
+        cache: Any,
+        on_layer: OnLayer,
+        *,
+        chunk: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Hand an existing cache's KV (after a prefill) to `on_layer` the way `prefill` does:
+        chunk-major in ranges of `chunk` positions (None: whole layers), then layer. For the
+        sequential mode: staging memory stays bounded as during an overlapped prefill."""
         ...
 
     def new_cache(self, capacity: int) -> Any:

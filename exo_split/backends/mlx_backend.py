@@ -6,11 +6,18 @@ so loading config.json as is would silently run the wrong RoPE.
 
 Received KV is written into preallocated `KVCache`s (room for prompt + max_tokens, in
 mlx-lm's own step size) so the first decode steps do not reallocate.
+
+Prefill runs as mlx-lm's does: chunks of 2,048 positions (the chunk's activations bound the
+memory), logits for the last position only (a 32K prompt never holds [T, vocab] logits), and
+each layer's K/V evaluated as the layer writes them, so a stop takes effect within one layer of
+one chunk even when nothing streams.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -27,6 +34,8 @@ from exo_split.spec import ModelSpec, load_spec
 log = logging.getLogger(__name__)
 
 _MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+PREFILL_CHUNK = 2048  # positions per forward when the request asks for no chunking (mlx-lm's)
+clock = time.perf_counter
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -34,6 +43,12 @@ def to_numpy(a: mx.array) -> np.ndarray:
     if a.dtype == mx.bfloat16:
         return np.array(a.view(mx.uint16))
     return np.array(a)
+
+
+def host_view(a: mx.array) -> np.ndarray:
+    """An MLX array as numpy over the same memory (bfloat16 as uint16 words): no copy. The
+    view keeps the array's buffer alive; MLX never writes an evaluated array in place."""
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=False)
 
 
 def from_numpy(a: np.ndarray, dtype: str) -> mx.array:
@@ -57,15 +72,16 @@ def _mlx_config(spec: ModelSpec) -> dict:
 
 
 class _StreamingKVCache(KVCache):
-    """A KVCache that evaluates and reports each layer's new K/V as soon as it is written.
+    """A KVCache that shows each layer's new K/V to a hook before writing them.
 
-    MLX is lazy: forcing `mx.eval` here makes layer l's KV real before layer l+1 is built.
+    `computed`: (end position, time) of each piece a prefill wrote, for `stream_kv`.
     """
 
     def __init__(self, layer: int, hook: Callable[[int, mx.array, mx.array], None]):
         super().__init__()
         self.layer = layer
         self.hook: Callable | None = hook
+        self.computed: list[tuple[int, float]] = []
 
     def update_and_fetch(self, keys, values):
         if self.hook is not None:
@@ -98,28 +114,74 @@ class MLXBackend:
         should_stop: Callable[[], bool] | None = None,
         capacity: int | None = None,
     ) -> Prefilled:
+        """Chunks of `chunk` positions (default PREFILL_CHUNK); pieces are zero-copy views of
+        each layer's new K/V, handed on from the compute thread."""
         n = len(token_ids)
-        step = chunk or n
+        step = chunk or PREFILL_CHUNK
         position = [0]
 
         def hook(layer: int, k: mx.array, v: mx.array) -> None:
             if should_stop is not None and should_stop():
                 raise Cancelled(f"prefill cancelled at layer {layer}")
+            # MLX is lazy: evaluating here runs the work up to this layer's K/V now, so the
+            # next poll comes one layer later, not after the whole (lazy) forward.
+            mx.eval(k, v)
+            at = clock()
+            cache[layer].computed.append((position[0] + k.shape[2], at))
             if on_layer is not None:
-                mx.eval(k, v)
-                on_layer(LayerKV(layer, position[0], to_numpy(k[0]), to_numpy(v[0]), self.dtype))
+                kv = LayerKV(layer, position[0], host_view(k[0]), host_view(v[0]), self.dtype, at)
+                on_layer(kv)
 
         cache = [_StreamingKVCache(i, hook) for i in range(self.spec.n_layers)]
         if capacity:
             self._preallocate(cache, capacity)
         ids = mx.array([[int(t) for t in token_ids]])
+        try:
+            for start in range(0, n, step):
+                position[0] = start
+                hidden = self._hidden(ids[:, start : start + step], cache)
+                mx.eval([(c.keys, c.values) for c in cache])
+                if start + step < n:
+                    mx.clear_cache()  # this chunk's activations, before the next one's
+            logits = self._head(hidden[:, -1:, :])[0, -1]  # [vocab]: the last position only
+            mx.eval(logits)
+        finally:
+            for c in cache:
+                c.hook = None
+        computed_at = clock()
+        return Prefilled(cache=cache, logits=np.array(logits.astype(mx.float32)),
+                         computed_at=computed_at)  # fmt: skip
+
+    def _hidden(self, ids: mx.array, cache: list) -> mx.array:
+        """The final hidden states (after the last norm) of mlx-lm's Llama/Qwen2/Qwen3 models:
+        `Model.model`; the output head is applied by `_head`, to the last position only."""
+        return self.model.model(ids, cache=cache)
+
+    def _head(self, hidden: mx.array) -> mx.array:
+        head = getattr(self.model, "lm_head", None)  # absent when the embeddings are tied
+        return head(hidden) if head is not None else self.model.model.embed_tokens.as_linear(hidden)
+
+    def stream_kv(
+        self,
+        cache: list[KVCache],
+        on_layer: OnLayer,
+        *,
+        chunk: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Zero-copy views of the cache, chunk-major, then layer, from the calling thread."""
+        n = cache[0].offset
+        step = chunk or n
         for start in range(0, n, step):
-            position[0] = start
-            logits = self._logits(ids[:, start : start + step], cache)
-            mx.eval(logits, [(c.keys, c.values) for c in cache])
-        for c in cache:
-            c.hook = None
-        return Prefilled(cache=cache, logits=np.array(logits.astype(mx.float32)))
+            end = min(start + step, n)
+            for i, c in enumerate(cache):
+                if should_stop is not None and should_stop():
+                    raise Cancelled(f"streaming cancelled at layer {i}")
+                stamps = getattr(c, "computed", [])
+                j = bisect.bisect_left([e for e, _ in stamps], end)  # the piece holding end - 1
+                at = stamps[j][1] if j < len(stamps) else None
+                k, v = c.keys[0, :, start:end], c.values[0, :, start:end]
+                on_layer(LayerKV(i, start, host_view(k), host_view(v), self.dtype, at))
 
     def _preallocate(self, cache: list[KVCache], capacity: int) -> None:
         shape = (1, self.spec.n_kv_heads, _round_up(capacity, KVCache.step), self.spec.head_dim)

@@ -1,28 +1,42 @@
 """PyTorch backend: transformers' AutoModelForCausalLM, on CUDA (the product) or the CPU.
 
-Per-layer KV during prefill comes from a DynamicCache subclass: transformers calls
-`cache.update(k, v, layer_idx)` inside layer `layer_idx`'s attention, with the post-RoPE
-keys, so each layer's KV is handed on before the next layer runs. On CUDA that call
-happens when the work is *enqueued*, not done: the copy to host is gated by an event on a
-side stream, into pinned memory, and handed on from a drainer thread only once complete.
+Per-layer KV during prefill: the cache is a `PreallocatedCache` (torch_staging.py) whose
+`update(k, v, layer_idx)` transformers calls inside layer `layer_idx`'s attention with the
+post-RoPE keys; each layer's positions go into one buffer allocated before the forward, so they
+keep their address for the whole request. Its hook records an event and hands the piece to the
+stager, which copies it (CUDA: a side stream into the node's pinned staging ring, once the
+event has completed) and calls `on_layer`. On the CPU, by default, the piece is a view of the
+cache handed on at once from the compute thread.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import inspect
 import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
+from exo_split.backends.torch_staging import (
+    DEFAULT_RUN_AHEAD,
+    DEFAULT_SLOT_TIMEOUT_S,
+    DEFAULT_STAGING_BYTES,
+    DEFAULT_STAGING_SLOTS,
+    CpuOps,
+    CudaOps,
+    Mark,
+    PreallocatedCache,
+    Stager,
+    StagingRing,
+)
 from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.kv import LayerKV
+from exo_split.kv import LayerKV, itemsize
 from exo_split.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -43,86 +57,6 @@ def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-class _StreamingCache(DynamicCache):
-    """A DynamicCache that reports every (layer, chunk) K/V the moment the layer writes it."""
-
-    def __init__(self, hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None):
-        super().__init__()
-        self.hook = hook
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.hook is not None:
-            self.hook(layer_idx, key_states, value_states)
-        return out
-
-
-class _HostCopier:
-    """Moves each piece of KV to host memory and hands it to `on_layer`.
-
-    CPU: a plain view, handed on synchronously. CUDA: record an event on the compute
-    stream, copy on a side stream into pinned buffers, and hand the piece on from a
-    drainer thread after the copy's event has completed (never before).
-    """
-
-    def __init__(self, device: torch.device, dtype: str, on_layer: OnLayer):
-        self.dtype = dtype
-        self.on_layer = on_layer
-        self.cuda = device.type == "cuda"
-        self.error: BaseException | None = None
-        if self.cuda:
-            self.side = torch.cuda.Stream(device=device)
-            self.pending: queue.Queue = queue.Queue()
-            self.thread = threading.Thread(target=self._drain, name="kv-d2h", daemon=True)
-            self.thread.start()
-
-    def submit(self, layer: int, token_start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        k, v = k[0], v[0]  # [H, T, D]
-        if not self.cuda:
-            kv = LayerKV(
-                layer, token_start, to_numpy(k.contiguous()), to_numpy(v.contiguous()), self.dtype
-            )
-            self.on_layer(kv)
-            return
-        if self.error is not None:
-            raise self.error
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(k.device))
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(ready)
-            kh = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-            vh = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            kh.copy_(k, non_blocking=True)
-            vh.copy_(v, non_blocking=True)
-            # The compute stream may free k/v before the side stream has read them.
-            k.record_stream(self.side)
-            v.record_stream(self.side)
-            done = torch.cuda.Event()
-            done.record(self.side)
-        self.pending.put((done, layer, token_start, kh, vh))
-
-    def _drain(self) -> None:
-        while True:
-            item = self.pending.get()
-            if item is None:
-                return
-            done, layer, token_start, kh, vh = item
-            done.synchronize()
-            if self.error is not None:
-                continue
-            try:
-                self.on_layer(LayerKV(layer, token_start, to_numpy(kh), to_numpy(vh), self.dtype))
-            except BaseException as exc:  # re-raised on the prefill thread
-                self.error = exc
-
-    def close(self) -> None:
-        if self.cuda:
-            self.pending.put(None)
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 class TorchBackend:
     name = "torch"
 
@@ -135,11 +69,56 @@ class TorchBackend:
         # transformers >= 5.2x names the cache argument `cache`; earlier 5.x `past_key_values`.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.ops = CudaOps(device) if device.type == "cuda" else CpuOps()
+        self.run_ahead = DEFAULT_RUN_AHEAD
+        self.slot_timeout = DEFAULT_SLOT_TIMEOUT_S
+        self.set_staging()
 
-    def _run(self, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def set_staging(
+        self,
+        budget_bytes: int = DEFAULT_STAGING_BYTES,
+        slots: int = DEFAULT_STAGING_SLOTS,
+        *,
+        copy: bool | None = None,
+    ) -> StagingRing:
+        """Allocate the node's staging ring now: `slots` host buffers sharing `budget_bytes`
+        (pinned on CUDA), reused by every request. Call it between requests only (at start-up:
+        pinning memory synchronizes the device). On the CPU, pieces are views of the cache and
+        need no ring unless `copy=True` (the GPU's path with plain memory, as the tests run)."""
+        if self.torch_device.type != "cuda":
+            self.ops = CpuOps(copy=bool(copy))
+        elif copy is False:
+            raise ValueError("on CUDA every piece is copied to host memory: copy=False is not possible")  # fmt: skip
+        slot_bytes = budget_bytes // max(1, slots)
+        if self.ops.copy:
+            per_token = self._bytes_per_token()
+            if slot_bytes < per_token:
+                raise ExoSplitError(
+                    f"a staging slot of {slot_bytes:,} bytes ({budget_bytes:,} / {slots}) holds "
+                    f"no position: one takes {per_token:,} bytes of K and V",
+                    hint="raise the staging budget",
+                )
+            self.ring = StagingRing(slots, slot_bytes, self.ops.alloc)
+        else:
+            self.ring = StagingRing(None, slot_bytes, None)
+        return self.ring
+
+    def _bytes_per_token(self) -> int:
+        return 2 * self.spec.n_kv_heads * self.spec.head_dim * itemsize(self.dtype)
+
+    def _piece_tokens(self) -> int | None:
+        """The most positions one piece holds: one ring slot's worth (None: no slots)."""
+        return self.ring.slot_bytes // self._bytes_per_token() if self.ring.bounded else None
+
+    def _run(self, ids: torch.Tensor, cache) -> torch.Tensor:
         kwargs = {self._cache_kwarg: cache}
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[0, -1]
+
+    def _stager(self, clock, on_layer: OnLayer, should_stop) -> Stager:
+        return Stager(self.ring, self.ops, clock, on_layer, self.dtype,
+                      piece_tokens=self._piece_tokens(), should_stop=should_stop,
+                      slot_timeout=self.slot_timeout)  # fmt: skip
 
     @torch.inference_mode()
     def prefill(
@@ -151,54 +130,109 @@ class TorchBackend:
         should_stop: Callable[[], bool] | None = None,
         capacity: int | None = None,
     ) -> Prefilled:
+        """Returns once every piece was handed to `on_layer`; `Prefilled.computed_at` is when
+        the forward itself ended. Cancellation: `should_stop` is polled as each layer writes its
+        KV; the compute thread is then at most `run_ahead` pieces ahead of the device, and this
+        raises `Cancelled` once the device has finished that queued work."""
         ids = torch.tensor(
             [[int(t) for t in token_ids]], dtype=torch.long, device=self.torch_device
         )
         n = ids.shape[1]
         step = chunk or n
-        copier = _HostCopier(self.torch_device, self.dtype, on_layer) if on_layer else None
-        position = [0]
+        clock = self.ops.begin()
+        cache = self.new_cache(max(n, capacity or 0))
+        stager = self._stager(clock, on_layer, should_stop) if on_layer else None
+        queued: collections.deque = collections.deque()  # events of the pieces ahead of the device
 
-        def hook(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        def hook(layer: int, start: int, count: int) -> None:  # compute thread
             if should_stop is not None and should_stop():
                 raise Cancelled(f"prefill cancelled at layer {layer}")
-            if copier is not None:
-                copier.submit(layer, position[0], k, v)
+            event = clock.record()
+            cache.marks.append(Mark(layer, start, count, event))
+            queued.append(event)
+            if len(queued) > self.run_ahead:
+                clock.wait(queued.popleft())
+            if stager is not None:
+                stager.put(layer, start, count, event, cache.layers[layer].buffers)
 
-        cache = _StreamingCache(hook)
+        cache.hook = hook
         try:
             for start in range(0, n, step):
-                position[0] = start
                 logits = self._run(ids[:, start : start + step], cache)
-            logits = logits.float().cpu().numpy()
+            end = clock.record()
+            logits = logits.float().cpu().numpy()  # waits for the device
+            computed_at = clock.seconds(end)
+            if stager is not None:
+                stager.finish()
+        except BaseException:
+            if stager is not None:
+                stager.abort()
+            self.ops.drain()  # the queued device work: at most run_ahead pieces
+            raise
         finally:
             cache.hook = None
-            if copier is not None:
-                copier.close()
-        return Prefilled(cache=cache, logits=logits)
-
-    def new_cache(self, capacity: int) -> DynamicCache:
-        return DynamicCache()
+        for m in cache.marks:
+            m.at = clock.seconds(m.at)
+        return Prefilled(cache=cache, logits=logits, computed_at=computed_at)
 
     @torch.inference_mode()
-    def inject(self, cache: DynamicCache, kv: LayerKV) -> None:
+    def stream_kv(
+        self,
+        cache: PreallocatedCache,
+        on_layer: OnLayer,
+        *,
+        chunk: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Hand the cache's KV to `on_layer` through the same staging as a prefill (for the
+        sequential mode: never more pinned memory than the ring): chunk-major, then layer, in
+        token ranges of at most `chunk` positions (and one ring slot). Returns once every piece
+        was handed on; `computed_at` is when the prefill computed the piece's last position."""
+        n = cache.get_seq_length()
+        step = chunk or n
+        clock = self.ops.begin()
+        written = clock.record()  # the device has queued every write into the cache before this
+        stamps = [([e for e, _ in marks], [t for _, t in marks]) for marks in cache.stamps()]
+        stager = self._stager(clock, on_layer, should_stop)
+        try:
+            for start in range(0, n, step):
+                count = min(step, n - start)
+                for layer, (ends, ats) in enumerate(stamps):
+                    i = bisect.bisect_left(
+                        ends, start + count
+                    )  # the piece holding the last position
+                    at = ats[i] if i < len(ats) else None
+                    buffers = cache.layers[layer].buffers
+                    stager.put(layer, start, count, written, buffers, computed_at=at)
+            stager.finish()
+        except BaseException:
+            stager.abort()
+            raise
+
+    def new_cache(self, capacity: int) -> PreallocatedCache:
+        shape = (self.spec.n_kv_heads, max(1, capacity), self.spec.head_dim)
+        return PreallocatedCache(self.spec.n_layers, shape, _TORCH_DTYPES[self.dtype],
+                                 self.torch_device, adopt=self.ops.adopt)  # fmt: skip
+
+    @torch.inference_mode()
+    def inject(self, cache: PreallocatedCache, kv: LayerKV) -> None:
         k = from_numpy(kv.k, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         v = from_numpy(kv.v, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         cache.update(k[None], v[None], kv.layer)
 
     @torch.inference_mode()
-    def step(self, cache: DynamicCache, token_id: int) -> np.ndarray:
+    def step(self, cache: PreallocatedCache, token_id: int) -> np.ndarray:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.torch_device)
         return self._run(ids, cache).float().cpu().numpy()
 
-    def export(self, cache: DynamicCache) -> list[LayerKV]:
+    def export(self, cache: PreallocatedCache) -> list[LayerKV]:
         out = []
         for i, layer in enumerate(cache.layers):
             k, v = layer.keys[0].contiguous().cpu(), layer.values[0].contiguous().cpu()
             out.append(LayerKV(i, 0, to_numpy(k), to_numpy(v), self.dtype))
         return out
 
-    def cache_len(self, cache: DynamicCache) -> int:
+    def cache_len(self, cache: PreallocatedCache) -> int:
         return cache.get_seq_length()
 
 
