@@ -63,6 +63,13 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     ):
         g.add_argument(flag, type=seconds, default=default, metavar="S", help=f"{what} (s)")
     g.add_argument(
+        "--staging-bytes",
+        type=size,
+        metavar="SIZE",
+        help="torch on CUDA: pinned host memory for the KV on its way to the network, "
+        "allocated once at start-up (default 64M, in 4 slots)",
+    )
+    g.add_argument(
         "--busy-wait",
         type=lambda text: seconds(text, zero=True),
         default=0.0,
@@ -111,6 +118,7 @@ def cmd_node(args) -> int:
         ),
         ready_file=args.ready_file,
         die_after_layer=int(die_after) if die_after else None,
+        staging_bytes=args.staging_bytes,
     )
     node = Node(config, progress=say)
     asyncio.run(node.serve())

@@ -61,6 +61,7 @@ class NodeConfig:
     warmup: bool = True  # measure speeds at start-up (unless cached)
     remeasure: bool = False  # measure even when cached
     die_after_layer: int | None = None  # test hook: docs/reliability.md
+    staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
 
 
 def peer_url(addr: str) -> str:
@@ -87,6 +88,7 @@ class Node:
         self.backend = self.executor.submit(
             load_backend, config.backend, config.model_dir, dtype=config.dtype, device=config.device
         ).result()
+        self._configure_staging()
         self.codec = TextCodec(config.model_dir)
         self.spec = self.backend.spec
         self.speeds = self._measure_speeds()
@@ -113,6 +115,16 @@ class Node:
             choose_peer=self.choose_prefill_peer,
         )
         self.coordinator.on_done = self._learn
+
+    def _configure_staging(self) -> None:
+        """The torch prefill's staging ring, pinned once at start-up (never during a request);
+        a ring whose consumer stopped releasing slots gives up after the idle timeout."""
+        backend = self.backend
+        if not hasattr(backend, "set_staging"):
+            return
+        backend.slot_timeout = self.config.timeouts.idle
+        if self.config.staging_bytes is not None:
+            self.executor.submit(backend.set_staging, self.config.staging_bytes).result()
 
     def _measure_speeds(self) -> Speeds | None:
         """This node's prefill and decode tokens/s: cached, else a short warm-up."""
