@@ -77,6 +77,24 @@ def test_quick_bench_reports_every_figure(tmp_path):
         assert doc["targets"][name]["met"] is None  # no prompt of 1,024 tokens in --quick
     assert doc["targets"]["decode_itl_ratio"]["worst"] == itl["ratio"]
 
+    # The real-size section (bench/scale.py), small in --quick: 8 KV heads x 128, 4 MiB layers.
+    assert "real-size KV" in card and "Llama-3.1-8B, 8K prompt, 10 GbE" in card
+    sc = doc["scale"]
+    (p,) = sc["points"]
+    assert p["prompt_tokens"] == 512 and p["layer_bytes"] == 512 * 2 * 8 * 128 * 4
+    assert p["kv_bytes"] == p["layers"] * p["layer_bytes"]
+    for section, key in (("unshaped", "transport_gbps"), ("unshaped", "plain_gbps"),
+                         ("shaped", "transport_gbps"), ("shaped", "plain_gbps"),
+                         ("shaped", "t_overlap_s"), ("shaped", "t_ideal_s")):  # fmt: skip
+        assert p[section][key] > 0, (section, key)
+    assert p["unshaped"]["transport_vs_plain"] == pytest.approx(
+        p["unshaped"]["transport_gbps"] / p["unshaped"]["plain_gbps"]
+    )  # one repeat: the median of the paired ratios is that pair's
+    assert p["decode_memory"]["rss_before"] > 0 and p["decode_memory"]["peak_growth"] >= 0
+    assert p["same_tokens"] is True
+    assert sc["llama_8b_10gbe"]["kv_bytes"] == 32 * 8192 * 2 * 8 * 128 * 2  # 1 GiB of bf16
+    assert len(sc["load_average"]["start"]) == 3
+
     # Everything the benchmark created is gone; the nodes' logs were kept as asked.
     assert _namespaces_of(proc.pid) == []
     assert {"prefill.log", "decode.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}

@@ -289,3 +289,18 @@ def test_stream_kv_pushes_the_cache_through_the_ring_after_the_prefill(llama, de
     for layer, start, n, _, _, at, _, _ in sender.got:
         assert at == marks[(layer, 0 if start + n <= 50 else 50)]
     assert backend.ring.in_use_max <= 2 and backend.ring.in_use == 0
+
+
+def test_the_device_overlap_check_streams_every_byte_through_the_ring(device):
+    """`python -m exo_split.bench.device` (scripts/cuda-check's second step), small: every KV
+    byte crosses the paced loopback link through a ring allocated once; no timing is judged."""
+    from exo_split.bench.device import render, run
+
+    doc = run(device, tokens=256, rate_gbit=10.0, repeats=1, small=True)
+    assert doc["device"] == torch.device(device).type
+    assert doc["kv_bytes"] == 256 * 2 * 2 * 8 * 128 * 4  # tokens x layers x K,V x 8 x 128 x fp32
+    ring = doc["ring"]
+    assert ring["allocations"] == ring["slots"] and ring["in_use_max"] <= ring["slots"]
+    assert ring["host_bytes"] == ring["slots"] * ring["slot_bytes"]
+    assert doc["last_byte_s"] > 0 and doc["ideal_s"] > 0
+    assert "pipelined bound" in render(doc)

@@ -38,13 +38,19 @@ class Lab:
         cpus: tuple[int, int] | None,
         logs: Path | None,
         progress: Progress,
+        scale: tuple[Path, list[str]] | None = None,
     ):
         self.model, self.cpus, self.logs, self.progress = model, cpus, logs, progress
+        # A second pair of nodes (another checkpoint, other node options), started with the
+        # first so that their start-up overlaps; idle until `use("scale")`.
+        self.pairs = {"": (model, [])} | ({"scale": scale} if scale else {})
         self.token = os.urandom(16).hex()
         self._tmp = tempfile.TemporaryDirectory(prefix="exo-split-bench-")
         self.work = Path(self._tmp.name)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.ready: dict[str, dict] = {}
         self._stack = contextlib.ExitStack()
+        self.pair = ""
 
     def __enter__(self) -> Lab:
         reason = netns.netns_unavailable_reason()
@@ -81,25 +87,50 @@ class Lab:
 
     def _start(self) -> None:
         prefill_cpu, decode_cpu = self.cpus or (None, None)
-        # No mDNS (traffic stays between the two namespaces); no start-up speed measurement
-        # (the benchmark warms both nodes itself).
-        extra = ["--no-mdns", "--no-warmup"]
-        for name, ns, cpu, backend in (
-            ("prefill", self.a, prefill_cpu, "torch"),
-            ("decode", self.b, decode_cpu, "mlx"),
-        ):
-            self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(self.model),
-                        "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
-                        "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
+        for pair, (model, node_args) in self.pairs.items():
+            self._spawn_nodes(pair, model, node_args)
         self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench.driver", "source",
                     self.a.ipv4, str(self.work / "source.json")])  # fmt: skip
         self._spawn("driver", self.b, decode_cpu, ["-m", "exo_split.bench.driver", "drive"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        self.ready = {name: self._wait_ready(name) for name in ("prefill", "decode", "source")}
-        self.decode_url = f"http://{self.b.ipv4}:{self.ready['decode']['port']}"
-        self.prefill_addr = f"{self.a.ipv4}:{self.ready['prefill']['port']}"
+        names = [f"{role}{pair and '-' + pair}" for pair in self.pairs for role in ("prefill", "decode")]  # fmt: skip
+        self.ready = {name: self._wait_ready(name) for name in (*names, "source")}
+        self.use("")
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.procs["driver"].stdout, selectors.EVENT_READ)
+
+    def _spawn_nodes(self, pair: str, model: Path, node_args: list[str]) -> None:
+        prefill_cpu, decode_cpu = self.cpus or (None, None)
+        # No mDNS (traffic stays between the two namespaces); no start-up speed measurement
+        # (the benchmark warms both nodes itself).
+        extra = ["--no-mdns", "--no-warmup", *node_args]
+        for role, ns, cpu, backend in (
+            ("prefill", self.a, prefill_cpu, "torch"),
+            ("decode", self.b, decode_cpu, "mlx"),
+        ):
+            name = f"{role}{pair and '-' + pair}"
+            self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(model),
+                        "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
+                        "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
+
+    def use(self, pair: str) -> None:
+        """Send the next requests to this pair of nodes ("": the first, "scale")."""
+        suffix = pair and "-" + pair
+        self.pair, self.model = pair, self.pairs[pair][0]
+        self.decode_name = f"decode{suffix}"
+        self.decode_url = f"http://{self.b.ipv4}:{self.ready[self.decode_name]['port']}"
+        self.prefill_addr = f"{self.a.ipv4}:{self.ready[f'prefill{suffix}']['port']}"
+
+    def decode_memory(self) -> dict:
+        """The decode node's resident memory now and its peak since `reset_peak()` (bytes)."""
+        status = Path(f"/proc/{self.procs[self.decode_name].pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731
+        return {"rss": kib("VmRSS"), "peak": kib("VmHWM")}
+
+    def reset_peak(self) -> None:
+        """Reset the decode node's peak resident memory (VmHWM) to its current RSS."""
+        Path(f"/proc/{self.procs[self.decode_name].pid}/clear_refs").write_text("5")
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.work / f"{name}.log"

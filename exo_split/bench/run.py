@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from exo_split.bench import scale
 from exo_split.bench.figures import Point, Run, layer_compute_s, render_card, summarize
 from exo_split.bench.lab import BenchError, Lab, Progress
 
@@ -78,6 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ratios", type=_floats, default=[0.6, 1.5], help="transfer/compute per layer per link"
     )
     p.add_argument("--repeats", type=int, help="runs per point, medians reported (default 3)")
+    p.add_argument(
+        "--scale-lengths",
+        type=_ints,
+        help="prompt lengths of the real-size points, 8 KV heads x 128 (default "
+        "2048,4096,8192,16384: layers of 16-128 MiB; 0: none)",
+    )
+    p.add_argument("--scale-only", action="store_true", help="only the real-size points")
     p.add_argument("--max-tokens", type=int, help="tokens generated per request (default 24)")
     p.add_argument(
         "--cpus",
@@ -103,6 +111,9 @@ class Settings:
     deadline_s: float
     logs: Path | None
     quick: bool
+    scale_lengths: tuple[int, ...] = ()
+    scale_config: dict | None = None
+    scale_only: bool = False
 
 
 def settings(args) -> Settings:
@@ -112,6 +123,10 @@ def settings(args) -> Settings:
         raise BenchError("--lengths must be >= 2 tokens and --ratios > 0")
     # ITL at up to two lengths from 1,024 on: mlx-lm's own prefill is slow on a CPU.
     big = tuple(n for n in lengths if n >= ITL_MIN_TOKENS)[:2]
+    default_scale = scale.QUICK_SCALE_LENGTHS if quick else scale.SCALE_LENGTHS
+    scale_lengths = tuple(n for n in (args.scale_lengths or default_scale) if n > 0)
+    if args.scale_only and not scale_lengths:
+        raise BenchError("--scale-only needs --scale-lengths")
     return Settings(
         lengths=lengths,
         ratios=tuple(args.ratios),
@@ -125,6 +140,9 @@ def settings(args) -> Settings:
         deadline_s=60 * (args.max_minutes or (3 if quick else 45)),
         logs=args.logs,
         quick=quick,
+        scale_lengths=scale_lengths,
+        scale_config=scale.QUICK_SCALE_CONFIG if quick else scale.SCALE_CONFIG,
+        scale_only=args.scale_only,
     )
 
 
@@ -146,12 +164,12 @@ def _cpus(text: str) -> tuple[int, int] | None:
 # ---- the model --------------------------------------------------------------------------------
 
 
-def bench_model(config_overrides: dict, progress: Progress) -> Path:
+def bench_model(config_overrides: dict, progress: Progress, tag: str = "") -> Path:
     """The bench checkpoint (random Llama weights), built once into the cache directory."""
     from exo_split.models.tiny import DEFAULT_CONFIG, build_llama, default_model_dir
 
     config = {**DEFAULT_CONFIG, **config_overrides}
-    name = "exo-split-bench-{num_hidden_layers}L-{hidden_size}h-v1".format(**config)
+    name = "exo-split-bench-{num_hidden_layers}L-{hidden_size}h".format(**config) + f"{tag}-v1"
     out = default_model_dir().parent / name
     if (out / "model.safetensors").is_file():
         return out
@@ -175,8 +193,9 @@ def prompt_ids(n: int, vocab_size: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, lab: Lab, s: Settings, vocab_size: int, progress: Progress):
-        self.lab, self.s, self.vocab, self.progress = lab, s, vocab_size, progress
+    def __init__(self, lab: Lab, s: Settings, spec, progress: Progress):
+        self.lab, self.s, self.progress = lab, s, progress
+        self.spec, self.vocab = spec, spec.vocab_size
         self.t0 = time.monotonic()
         self.skipped: list[str] = []
 
@@ -187,6 +206,7 @@ class Bench:
         return True
 
     def generate(self, n: int, mode: str, max_tokens: int | None = None) -> Run:
+        """One request through the decode node; the report with the client's TTFT."""
         from exo_split.report import build_report, load_report
 
         max_tokens = max_tokens or self.s.max_tokens
@@ -203,6 +223,10 @@ class Bench:
             raise BenchError(f"asked for a {mode} run, got {report.timeline.mode}")
         timeline = replace(report.timeline, client_ttft_s=out["client_ttft_s"])
         return Run(build_report(timeline), out["tokens"])
+
+    def kv_bytes(self, n: int) -> int:
+        """The KV of an n-token prompt in float32 (the bench's dtype)."""
+        return n * self.spec.n_layers * 2 * self.spec.n_kv_heads * self.spec.head_dim * 4
 
     def plain(self, nbytes: int) -> float:
         port = self.lab.ready["source"]["port"]
@@ -266,6 +290,12 @@ class Bench:
         return pairs
 
     def run(self) -> dict:
+        doc = self.run_small() if not self.s.scale_only else {"schema": SCHEMA_SCALE_ONLY}
+        if self.s.scale_lengths:
+            doc["scale"] = self.run_scale()
+        return doc
+
+    def run_small(self) -> dict:
         self.lab.shape(None)
         self.warm_up()
         unshaped = statistics.median(self.plain(32 * 2**20) for _ in range(3))
@@ -293,6 +323,23 @@ class Bench:
             baseline[n] = self.itl_pairs(n)
         return summarize(self.s, unshaped, local, points, baseline, self.skipped)
 
+    def run_scale(self) -> dict:
+        """The real-size points (bench/scale.py), on a model with Llama-3.1-8B's KV geometry."""
+        from exo_split.spec import load_spec
+
+        self.lab.use("scale")
+        model = self.lab.model
+        self.spec = load_spec(model)
+        self.vocab = self.spec.vocab_size
+        points, loads = scale.measure(self, self.s.scale_lengths, self.s.repeats)
+        out = scale.summarize(points, loads, self.s.scale_config, self.s.repeats)
+        out["model"] = str(model)
+        out["skipped"] = list(self.skipped)
+        return out
+
+
+SCHEMA_SCALE_ONLY = "exo-split.bench-scale/1"
+
 
 def main(args) -> int:
     def progress(message: str) -> None:
@@ -308,16 +355,22 @@ def main(args) -> int:
         config = {"num_hidden_layers": spec.n_layers, "hidden_size": spec.hidden_size,
                   "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim}  # fmt: skip
         s = replace(s, config=config)
+    pair = None
+    if s.scale_lengths:
+        pair = (bench_model(s.scale_config, progress, tag="-kv8x128"), scale.NODE_ARGS)
     previous = signal.signal(signal.SIGTERM, _terminate)  # so the namespaces are removed
     try:
-        with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress) as lab:
-            doc = Bench(lab, s, spec.vocab_size, progress).run()
+        with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress, scale=pair) as lab:
+            doc = Bench(lab, s, spec, progress).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     doc["model"] = str(model)
     doc["elapsed_s"] = time.monotonic() - t0
     doc["command"] = "exo-split bench " + " ".join(_argv_of(args))
-    print(render_card(doc), flush=True)
+    cards = [] if s.scale_only else [render_card(doc)]
+    if "scale" in doc:
+        cards.append(scale.render(doc["scale"]))
+    print("\n\n".join(cards), flush=True)
     print(json.dumps(doc), flush=True)
     return 0
 
@@ -329,7 +382,9 @@ def _terminate(signum, frame) -> None:
 def _argv_of(args) -> list[str]:
     """The options given, as they would be typed (for the JSON's `command`)."""
     out = ["--quick"] if args.quick else []
-    for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes"):
+    out += ["--scale-only"] if args.scale_only else []
+    for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes",
+                "scale_lengths"):  # fmt: skip
         value = getattr(args, key, None)
         if (
             value is None
