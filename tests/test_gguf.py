@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -62,23 +61,15 @@ CORPUS = [
 
 
 @pytest.fixture(scope="session")
-def smol_gguf() -> Path:
-    try:
-        return locate_smollm2()
-    except BadCheckpoint as exc:
-        pytest.skip(str(exc))
+def smol_gguf(smollm2) -> Path:
+    return locate_smollm2()
 
 
 @pytest.fixture(scope="session")
-def smol_dir(smol_gguf, tmp_path_factory) -> Path:
-    cache = tmp_path_factory.mktemp("cache")
-    events: list[ConvertProgress] = []
-    start = time.perf_counter()
-    out = ensure_smollm2(cache, events.append)
-    print(f"\nSmolLM2 conversion: {time.perf_counter() - start:.1f} s")
-    tensors = [e for e in events if e.total]
+def smol_dir(smollm2) -> Path:
+    tensors = [e for e in smollm2.events if e.total]
     assert len(tensors) == 272 and tensors[-1].done == tensors[-1].total == 272
-    return out
+    return smollm2.dir
 
 
 @pytest.fixture(scope="session")

@@ -113,21 +113,28 @@ def add_token_option(p: argparse.ArgumentParser, help: str | None = None) -> Non
     )
 
 
-def add_prompt_options(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+def add_prompt_options(p: argparse.ArgumentParser, *, required: bool = True):
+    """--prompt / --prompt-file, one of them; returns the group (a command may add sources)."""
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--prompt", metavar="TEXT", help="prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': stdin)")
+    return src
 
 
 def read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
-    if str(args.prompt_file) == "-":
+    return read_text(args.prompt_file, "the prompt file")
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """A UTF-8 file's text ('-': stdin)."""
+    if str(path) == "-":
         return sys.stdin.read()
     try:
-        return Path(args.prompt_file).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ExoSplitError(f"cannot read the prompt file {args.prompt_file}: {exc}") from exc
+        raise ExoSplitError(f"cannot read {what} {path}: {exc}") from exc
 
 
 def write_html(path: Path, obj) -> None:

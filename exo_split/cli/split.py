@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 
 from exo_split.cli.common import (
+    UsageError,
     add_prompt_options,
     add_token_option,
     read_prompt,
+    read_text,
     run_request,
     say,
     with_client_ttft,
@@ -36,7 +38,20 @@ def add_split_generate(subparsers) -> None:
         description="Send a request to the decode node, which pulls the prompt's KV from the "
         "prefill node layer by layer, then decodes. Streams the text, then the timing report.",
     )
-    add_prompt_options(p)
+    prompt = add_prompt_options(p)
+    prompt.add_argument(
+        "--messages",
+        metavar="FILE",
+        help="chat messages as JSON ([{role, content}, ...] or {messages: [...]}; '-': stdin); "
+        "implies --chat",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="apply the model's chat template (on the decode node): the prompt is the user's "
+        "message; generation stops at the end of the assistant's turn",
+    )
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -72,13 +87,14 @@ def cmd_split_generate(args) -> int:
     from exo_split.node.agent import peer_url
     from exo_split.transport.auth import resolve_token
 
+    prompt = prompt_body(args)  # bad --chat/--system/--messages: an error before any network
     token, _ = resolve_token(args.token_file, dict(os.environ), create=False)
     decode, roles = args.decode_peer, None
     if decode is None:  # find the nodes: mDNS and --peer / $EXO_SPLIT_PEERS
         roles = find_roles(args, token)
         decode = roles.decode_url
     body = {
-        "prompt": read_prompt(args),
+        **prompt,
         "max_tokens": args.max_tokens,
         "sampling": {"temperature": args.temperature, "seed": args.seed},
         "prefill_peer": args.prefill_peer or (roles.prefill_url if roles else None),
@@ -92,7 +108,7 @@ def cmd_split_generate(args) -> int:
     done, ttft = run_request(peer_url(decode), token, body, stream=not args.json)
     report = with_client_ttft(done["report"], ttft)
     if args.json:
-        doc = {k: done[k] for k in ("tokens", "text", "prompt_tokens")}
+        doc = {k: done[k] for k in ("tokens", "text", "prompt_tokens", "finish_reason")}
         if roles is not None:
             doc["nodes"] = roles.summary
         doc["report"] = to_json(report)
@@ -103,6 +119,24 @@ def cmd_split_generate(args) -> int:
     if args.report_html:
         write_html(args.report_html, report)
     return 0
+
+
+def prompt_body(args) -> dict:
+    """The request's prompt: {"prompt": text} or, for a chat, {"messages": [...]}."""
+    from exo_split.transport.messages import check_messages
+
+    if args.system is not None and (not args.chat or args.messages is not None):
+        raise UsageError(
+            "--system goes with --chat and --prompt/--prompt-file",
+            hint="with --messages, put the system message in the file",
+        )
+    if args.messages is not None:
+        return {"messages": read_messages(read_text(args.messages, "the messages file"),
+                                          args.messages)}  # fmt: skip
+    if not args.chat:
+        return {"prompt": read_prompt(args)}
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return {"messages": check_messages([*system, {"role": "user", "content": read_prompt(args)}])}
 
 
 def split_compare(args, url: str, token: str | None, body: dict) -> int:
@@ -138,3 +172,17 @@ def split_compare(args, url: str, token: str | None, body: dict) -> int:
     if args.report_html:
         write_html(args.report_html, comparison)
     return 0
+
+
+def read_messages(text: str, source: str) -> list[dict[str, str]]:
+    """Messages from a JSON document: a list of messages, or an object with "messages"."""
+    from exo_split.errors import BadMessages
+    from exo_split.transport.messages import check_messages
+
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise BadMessages(f"{source} is not JSON: {exc}") from exc
+    if isinstance(doc, dict) and "messages" in doc:
+        doc = doc["messages"]
+    return check_messages(doc)

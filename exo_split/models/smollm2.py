@@ -72,6 +72,11 @@ def ensure_smollm2(
         raise
 
 
+def is_converted(cache_dir: str | Path | None = None, *, dtype: str = "float32") -> bool:
+    """Whether ensure_smollm2 would return at once (no package needed, nothing to convert)."""
+    return _complete(smollm2_dir(cache_dir, dtype=dtype))
+
+
 def _complete(out: Path) -> bool:
     # Conversion renames a finished directory into place, so these files mean it is whole.
     return all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))

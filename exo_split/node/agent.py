@@ -26,6 +26,7 @@ from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION, __version__
 from exo_split.backends import load_backend
+from exo_split.chat import ChatTemplate, has_chat_template
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable
@@ -90,6 +91,7 @@ class Node:
         ).result()
         self._configure_staging()
         self.codec = TextCodec(config.model_dir)
+        self.chat = ChatTemplate(config.model_dir) if has_chat_template(config.model_dir) else None
         self.spec = self.backend.spec
         self.speeds = self._measure_speeds()
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
@@ -113,6 +115,7 @@ class Node:
             timeouts=config.timeouts,
             session=self.session,
             choose_peer=self.choose_prefill_peer,
+            chat=self.chat,
         )
         self.coordinator.on_done = self._learn
 

@@ -25,8 +25,10 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from exo_split.backends.base import Backend
+from exo_split.chat import ChatTemplate
 from exo_split.errors import (
     AuthError,
+    BadCheckpoint,
     ExoSplitError,
     IncompatiblePeer,
     PeerBusy,
@@ -84,7 +86,9 @@ class Coordinator:
         timeouts: Timeouts,
         session: Callable[[], aiohttp.ClientSession],
         choose_peer: Callable[[GenerateRequest, int], Awaitable[tuple[str | None, dict | None]]],
+        chat: ChatTemplate | None = None,
     ):
+        self.chat = chat  # the checkpoint's chat template; None: it has none
         self.backend = backend
         self.spec: ModelSpec = backend.spec
         self.codec = codec
@@ -99,7 +103,20 @@ class Coordinator:
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
-        ids = list(req.token_ids) if req.token_ids is not None else self.codec.tokenize(req.prompt)
+        """The prompt's token ids (chat messages through the chat template), checked against
+        the vocabulary and the context."""
+        if req.messages is not None:
+            if self.chat is None:
+                raise BadCheckpoint(
+                    f"this node's model ({self.spec.name}) has no chat template: chat needs an "
+                    "instruct checkpoint",
+                    hint="send a raw prompt instead",
+                )
+            ids = self.chat.token_ids(req.messages)
+        elif req.token_ids is not None:
+            ids = list(req.token_ids)
+        else:
+            ids = self.codec.tokenize(req.prompt)
         bad = [t for t in ids if t >= self.spec.vocab_size]
         if bad:
             raise ExoSplitError(
@@ -108,8 +125,20 @@ class Coordinator:
         check_request(self.spec, len(ids), req.max_tokens)
         return ids
 
-    async def generate(self, req: GenerateRequest, emit: Emit, *, arrived: float) -> dict:
+    async def generate(
+        self,
+        req: GenerateRequest,
+        emit: Emit,
+        *,
+        arrived: float,
+        prompt_ids: list[int] | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> dict:
         """Run one request, emitting token events; returns the final `done` event.
+
+        `prompt_ids`: the request's ids when the caller has already tokenized it. `until`
+        is asked after each token: True ends the generation there, as an end-of-turn token
+        would (the OpenAI layer's stop strings), and the `done` event still comes.
 
         Cancelling it (the client went away) closes the stream from the prefill peer, which
         stops that prefill, stops a local prefill at its next layer, and returns once the
@@ -117,7 +146,7 @@ class Coordinator:
         """
         stop = threading.Event()
         try:
-            return await self._generate(req, emit, arrived, stop)
+            return await self._generate(req, emit, arrived, stop, prompt_ids, until)
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
@@ -126,9 +155,16 @@ class Coordinator:
             raise
 
     async def _generate(
-        self, req: GenerateRequest, emit: Emit, arrived: float, stop: threading.Event
+        self,
+        req: GenerateRequest,
+        emit: Emit,
+        arrived: float,
+        stop: threading.Event,
+        prompt_ids: list[int] | None = None,
+        until: Callable[[], bool] | None = None,
     ) -> dict:
-        ids = self.tokenize(req)
+        ids = list(prompt_ids) if prompt_ids is not None else self.tokenize(req)
+        ended = until or (lambda: False)
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
         tokens: list[int] = []
@@ -171,7 +207,7 @@ class Coordinator:
         local_end = clock()
         token = tokens[0]
         for step in range(1, req.max_tokens):
-            if token in self.codec.eos_ids:
+            if token in self.codec.eos_ids or ended():
                 break
             logits = await self._run(self.backend.step, cache, token)
             token = sample(logits, req.sampling, step)[0]
@@ -181,11 +217,13 @@ class Coordinator:
             ids, remote, fallback, decision, arrived, (local_start, local_end), times, req
         )
         report = to_json(build_report(timeline))
+        stopped = tokens[-1] in self.codec.eos_ids or ended()
         return {
             "type": "done",
             "tokens": tokens,
             "text": self.codec.detokenize(tokens),
             "prompt_tokens": len(ids),
+            "finish_reason": "stop" if stopped else "length",  # stop: end of turn or `until`
             "report": report,
         }
 

@@ -165,7 +165,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
         state.count("generates")
         try:
-            work = state.coordinator.generate(req, emit, arrived=arrived)
+            work = state.coordinator.generate(req, emit, arrived=arrived, prompt_ids=ids)
             done = await while_connected(request, work, on_lost=lambda: None, tick=heartbeat)
             if done["report"].get("fallback"):
                 state.count("fallbacks")

@@ -1,4 +1,8 @@
-"""The JSON bodies of the two node-to-node requests: POST /v1/prefill and POST /v1/generate.
+"""The JSON bodies of the two node-to-node requests: POST /v1/prefill and POST /v1/generate,
+and the chat messages a generate (or an OpenAI chat request) may carry: text only, with the
+roles system, developer (read as system), user and assistant; content a string or a list of
+text parts, as OpenAI's clients send it. A malformed conversation is a BadMessages naming the
+message and the field, before any chat template runs.
 
 Frozen dataclasses with `from_json`, which validates a body and raises ValueError (or
 PromptTooLong) saying what is wrong, and `to_json`. No framework imports.
@@ -9,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from exo_split.errors import PromptTooLong
+from exo_split.errors import BadMessages, PromptTooLong
 from exo_split.kv import DTYPES
 from exo_split.sampling import Sampling
 
@@ -84,6 +88,8 @@ class GenerateRequest:
 
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
+    # Chat messages [{"role", "content"}], rendered by the decode node's chat template.
+    messages: tuple[dict[str, str], ...] | None = None
     max_tokens: int = 64
     sampling: Sampling = field(default_factory=Sampling)
     prefill_peer: str | None = None  # "http://host:port"; None: the node's choice
@@ -96,9 +102,9 @@ class GenerateRequest:
     def from_json(cls, body: Any) -> GenerateRequest:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        prompt, ids = body.get("prompt"), body.get("token_ids")
-        if (prompt is None) == (ids is None):
-            raise ValueError("give exactly one of prompt (text) or token_ids")
+        prompt, ids, messages = body.get("prompt"), body.get("token_ids"), body.get("messages")
+        if sum(x is not None for x in (prompt, ids, messages)) != 1:
+            raise ValueError("give exactly one of prompt (text), token_ids or messages (chat)")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError("prompt must be a string")
         if ids is not None and not (
@@ -120,6 +126,7 @@ class GenerateRequest:
         return cls(
             prompt=prompt,
             token_ids=tuple(ids) if ids is not None else None,
+            messages=tuple(check_messages(messages)) if messages is not None else None,
             max_tokens=max_tokens,
             sampling=Sampling.from_dict(body.get("sampling")),
             prefill_peer=body.get("prefill_peer") or None,
@@ -128,3 +135,56 @@ class GenerateRequest:
             chunk=chunk,
             fallback=fallback,
         )
+
+
+# ---- chat messages (a /v1/generate body's `messages`, and the OpenAI API's) ----
+
+CHAT_ROLES = ("system", "user", "assistant")
+_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """The messages as [{"role", "content"}] with text content; BadMessages if malformed."""
+    if not isinstance(messages, list) or not messages:
+        raise BadMessages(f"messages must be a non-empty list, got {_kind(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadMessages(f"{where} must be an object, got {_kind(m)}", param=where)
+        role = _ALIASES.get(m.get("role"), m.get("role"))
+        if role not in CHAT_ROLES:
+            raise BadMessages(
+                f"{where}.role must be one of system, developer, user, assistant; got "
+                f"{m.get('role')!r}",
+                param=f"{where}.role",
+            )
+        out.append({"role": role, "content": _text(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise BadMessages(
+                    f"{where}[{j}] must be a text part ({{'type': 'text', 'text': ...}}), got "
+                    f"{kind!r}: only text content is supported",
+                    param=f"{where}[{j}]",
+                )
+            if not isinstance(part.get("text"), str):
+                raise BadMessages(f"{where}[{j}].text must be a string", param=f"{where}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadMessages(
+        f"{where} must be a string or a non-empty list of text parts, got {_kind(content)}",
+        param=where,
+    )
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__

@@ -1,0 +1,121 @@
+"""Chat messages (transport/messages.py `check_messages`, `split-generate --messages`) and
+templates (exo_split/chat.py): what is accepted, what is refused and how it is said, and the
+template applied exactly as written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from exo_split.chat import ChatTemplate, has_chat_template
+from exo_split.cli.split import read_messages
+from exo_split.errors import BadCheckpoint, BadMessages
+from exo_split.models.tiny import words
+from exo_split.transport.messages import check_messages
+
+W = words(20)  # pseudo-words of the tiny checkpoints' word-level vocabulary
+# A template in the spirit of ChatML, over words the tiny vocabulary has.
+TEMPLATE = (
+    "{% for m in messages %}" + W[0] + " {{ m['role'] }} {{ m['content'] }} " + W[1] + " "
+    "{% endfor %}{% if add_generation_prompt %}" + W[0] + " assistant{% endif %}"
+)
+STRICT = (  # a template that insists on user/assistant alternation, as Llama 2's does
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{{ m['content'] }} {% endfor %}"
+)
+
+
+def with_template(src, dst, template: str | None, *, jinja_file: bool = False):
+    """A copy of checkpoint `src` whose tokenizer_config.json (or chat_template.jinja) holds
+    `template`."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if template is not None and jinja_file:
+        (dst / "chat_template.jinja").write_text(template)
+    elif template is not None:
+        config = json.loads((dst / "tokenizer_config.json").read_text())
+        (dst / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    return dst
+
+
+# ---------------------------------------------------------------- messages
+
+
+def test_check_messages_normalizes_what_clients_send():
+    got = check_messages(
+        [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}],
+             "name": "ann"},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    )  # fmt: skip
+    assert got == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello."},
+    ]
+
+
+@pytest.mark.parametrize(
+    "messages, param, message",
+    [
+        ([], "messages", "non-empty list, got list"),
+        ("hi", "messages", "non-empty list, got str"),
+        (None, "messages", "got null"),
+        ([{"role": "user", "content": "a"}, "b"], "messages[1]", "must be an object, got str"),
+        ([{"role": "bot", "content": "a"}], "messages[0].role", "got 'bot'"),
+        ([{"content": "a"}], "messages[0].role", "got None"),
+        ([{"role": "user"}], "messages[0].content", "got null"),
+        ([{"role": "user", "content": 3}], "messages[0].content", "got int"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+         "messages[0].content[0]", "got 'image_url': only text content"),
+        ([{"role": "user", "content": [{"type": "text", "text": 1}]}],
+         "messages[0].content[0]", "text must be a string"),
+    ],
+)  # fmt: skip
+def test_check_messages_says_which_message_is_wrong(messages, param, message):
+    with pytest.raises(BadMessages, match=message) as info:
+        check_messages(messages)
+    assert info.value.param == param
+
+
+def test_read_messages_takes_a_list_or_an_object():
+    msgs = [{"role": "user", "content": "x"}]
+    assert read_messages(json.dumps(msgs), "f") == msgs
+    assert read_messages(json.dumps({"messages": msgs}), "f") == msgs
+    with pytest.raises(BadMessages, match="f is not JSON"):
+        read_messages("[{", "f")
+
+
+# ---------------------------------------------------------------- templates
+
+
+def test_a_checkpoint_without_a_template_is_refused_with_a_hint(llama):
+    assert not has_chat_template(llama)
+    with pytest.raises(BadCheckpoint, match="has no chat template") as info:
+        ChatTemplate(llama)
+    assert "raw prompt" in info.value.hint
+
+
+@pytest.mark.parametrize("jinja_file", [False, True], ids=["tokenizer_config", "jinja_file"])
+def test_the_template_renders_and_tokenizes_as_written(llama, tmp_path, jinja_file):
+    d = with_template(llama, tmp_path / "chat", TEMPLATE, jinja_file=jinja_file)
+    assert has_chat_template(d)
+    chat = ChatTemplate(d)
+    msgs = [{"role": "system", "content": W[5]}, {"role": "user", "content": f"{W[6]} {W[7]}"}]
+    want = f"{W[0]} system {W[5]} {W[1]} {W[0]} user {W[6]} {W[7]} {W[1]} {W[0]} assistant"
+    assert chat.render(msgs) == want
+    # The ids are the tokenizer's own for that text, with nothing added (no BOS).
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert chat.token_ids(msgs) == raw.encode(want, add_special_tokens=False).ids
+
+
+def test_a_template_that_refuses_the_messages_is_a_bad_request(llama, tmp_path):
+    chat = ChatTemplate(with_template(llama, tmp_path / "strict", STRICT))
+    with pytest.raises(BadMessages, match="chat template refused the messages: Conversation roles"):
+        chat.token_ids([{"role": "assistant", "content": W[3]}])
