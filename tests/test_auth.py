@@ -167,6 +167,13 @@ BAD_HEADERS = {
 }
 
 
+NATIVE_401 = {"code": "unauthorized", "message": "missing or wrong token"}
+# The OpenAI-compatible endpoints answer in OpenAI's error shape (docs/api.md).
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}")
+OPENAI_401 = {"error": {"message": "missing or wrong token", "type": "authentication_error",
+                        "param": None, "code": "unauthorized"}}  # fmt: skip
+
+
 def test_every_endpoint_but_health_answers_401_before_any_work():
     state = untouchable_state()
     app = make_app(state)
@@ -182,7 +189,8 @@ def test_every_endpoint_but_health_answers_401_before_any_work():
                 for method, path in [*routes, ("GET", "/v1/no-such-endpoint")]:
                     for name, headers in BAD_HEADERS.items():
                         body = big if method == "POST" and name == "none" else b"{}"
-                        async with s.request(method, url + path, data=body, headers=headers) as r:
+                        where = url + path.replace("{model}", "some-model")
+                        async with s.request(method, where, data=body, headers=headers) as r:
                             out.append(
                                 (method, path, name, r.status, dict(r.headers), await r.read())
                             )
@@ -202,7 +210,10 @@ def test_every_endpoint_but_health_answers_401_before_any_work():
         assert code == 401, (method, path, name, body[:200])
         assert headers["WWW-Authenticate"] == "Bearer"
         if method != "HEAD":
-            assert json.loads(body) == {"code": "unauthorized", "message": "missing or wrong token"}
+            assert json.loads(body) == (OPENAI_401 if path in OPENAI_PATHS else NATIVE_401), (
+                method,
+                path,
+            )
         assert TOKEN.encode() not in body
     assert health == {"ok": True}
     assert state.stats == {} and not any(state.busy.values())  # nothing started

@@ -37,6 +37,11 @@ def add_node(subparsers) -> None:
         help="do not measure prefill/decode speed at start-up (advertise none unless cached)",
     )
     p.add_argument("--remeasure", action="store_true", help="measure speeds even if cached")
+    p.add_argument(
+        "--model-name",
+        metavar="NAME",
+        help="the model's id in the OpenAI API (default: the checkpoint directory's name)",
+    )
     add_token_option(p)
     add_limit_options(p)
     p.add_argument("--ready-file", type=Path, help="write the node's info as JSON here when ready")
@@ -117,6 +122,7 @@ def cmd_node(args) -> int:
             busy_wait=args.busy_wait,
         ),
         ready_file=args.ready_file,
+        model_name=args.model_name,
         die_after_layer=int(die_after) if die_after else None,
         staging_bytes=args.staging_bytes,
     )

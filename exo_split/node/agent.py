@@ -61,6 +61,7 @@ class NodeConfig:
     cache_dir: Path | None = None  # measured speeds are cached here; None: not cached
     warmup: bool = True  # measure speeds at start-up (unless cached)
     remeasure: bool = False  # measure even when cached
+    model_name: str | None = None  # the model's id in the OpenAI API; None: the directory's name
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
 
@@ -93,6 +94,7 @@ class Node:
         self.codec = TextCodec(config.model_dir)
         self.chat = ChatTemplate(config.model_dir) if has_chat_template(config.model_dir) else None
         self.spec = self.backend.spec
+        self.started = int(time.time())
         self.speeds = self._measure_speeds()
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
         self._info: dict | None = None
@@ -162,6 +164,11 @@ class Node:
             decode_tps=self.speeds.decode_tps if self.speeds else None,
         )
 
+    @property
+    def model_id(self) -> str:
+        """The model's name in the OpenAI API."""
+        return self.config.model_name or self.config.model_dir.name or self.spec.name or "model"
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()
@@ -177,6 +184,7 @@ class Node:
                 "protocol": PROTOCOL_VERSION,
                 "dtype": self.backend.dtype,
                 "spec": self.spec.to_dict(),
+                "openai": {"model": self.model_id, "chat": self.chat is not None},
             }
             if self.speeds is not None:
                 self._info["capabilities"] |= {
@@ -323,6 +331,8 @@ class Node:
             limits=self.config.limits,
             coordinator=self.coordinator,
             info=self.info(),
+            model_id=self.model_id,
+            started=self.started,
             busy={},
             stats={},
             timeouts=self.config.timeouts,
@@ -357,6 +367,8 @@ class Node:
                 f"dtype={self.backend.dtype} model={self.spec.name} "
                 f"fingerprint={self.spec.fingerprint} at {url}"
             )
+            chat = "chat and completions" if self.chat is not None else "completions (no template)"
+            self.progress(f"OpenAI API ({chat}): base_url {url}/v1, model {self.model_id!r}")
             if self.config.ready_file:
                 self.config.ready_file.write_text(
                     json.dumps(

@@ -1,5 +1,6 @@
 """The node's HTTP endpoints: GET /v1/info, POST /v1/prefill (the KV frame stream) and
-POST /v1/generate (NDJSON events), on top of transport/server.py's plumbing.
+POST /v1/generate (NDJSON events), on top of transport/server.py's plumbing; the
+OpenAI-compatible ones come from node/openai.py.
 
 Handlers are thin: they validate, map errors to statuses, and hand the work to the prefill
 pipeline (node/prefill.py) or the decode coordinator (node/decode.py). Before a 200 an error
@@ -22,12 +23,14 @@ from aiohttp import web
 
 from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
 from exo_split.node.decode import Coordinator
+from exo_split.node.openai import add_routes as add_openai_routes
 from exo_split.node.prefill import Progress, clock, error_frame, stream_prefill, write_frame
 from exo_split.spec import ModelSpec, check_request, require_compatible
 from exo_split.transport.client import FRAMES_CONTENT_TYPE
 from exo_split.transport.limits import PREFILL_QUEUE_DEPTH, decode_kv_bytes, prefill_kv_bytes
 from exo_split.transport.messages import GenerateRequest, PrefillRequest
 from exo_split.transport.server import (
+    HEARTBEAT_S,
     STATE,
     ServerState,
     Slot,
@@ -42,8 +45,6 @@ from exo_split.transport.server import (
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 5.0  # a generate stream silent this long gets a heartbeat event (a long prefill)
-
 
 @dataclass(kw_only=True)
 class NodeState(ServerState):
@@ -55,6 +56,8 @@ class NodeState(ServerState):
     executor: Any
     coordinator: Coordinator
     info: dict
+    model_id: str = ""  # the model's name in the OpenAI API (GET /v1/models)
+    started: int = 0  # when the node started (Unix seconds): the model's `created`
     die_after_layer: int | None = None  # test hook, docs/reliability.md
 
 
@@ -211,6 +214,7 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_get("/v1/info", info)
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_post("/v1/generate", generate)
+    add_openai_routes(app)
     return app
 
 

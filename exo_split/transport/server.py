@@ -50,15 +50,39 @@ class ServerState:
 
 STATE = web.AppKey("state", ServerState)
 PUBLIC_PATHS = frozenset({"/v1/health"})  # answered without a token
+HEARTBEAT_S = 5.0  # a stream silent this long gets a heartbeat (a long prefill)
+
+ErrorBody = Callable[[int, str, str], Any]  # (status, code, message) -> the JSON error body
 
 
-def error(status: int, code: str, message: str, **headers) -> web.Response:
-    return web.json_response({"code": code, "message": message}, status=status, headers=headers)
+def native_error_body(status: int, code: str, message: str) -> dict:
+    return {"code": code, "message": message}
 
 
-def refusal_response(exc: Refused) -> web.Response:
+def error(
+    status: int, code: str, message: str, *, body: ErrorBody = native_error_body, **headers
+) -> web.Response:
+    return web.json_response(body(status, code, message), status=status, headers=headers)
+
+
+def shaped_errors(body: ErrorBody):
+    """Decorate a handler whose errors take another JSON shape (the OpenAI API's): the
+    middleware's refusals (401, 413, 503) on its route use `body` too."""
+
+    def mark(handler):
+        handler.error_body = body
+        return handler
+
+    return mark
+
+
+def _error_body_of(request: web.Request) -> ErrorBody:
+    return getattr(request.match_info.handler, "error_body", native_error_body)
+
+
+def refusal_response(exc: Refused, body: ErrorBody = native_error_body) -> web.Response:
     headers = {"Retry-After": str(exc.retry_after)} if exc.status == 503 else {}
-    return error(exc.status, exc.code, str(exc), **headers)
+    return error(exc.status, exc.code, str(exc), body=body, **headers)
 
 
 @web.middleware
@@ -71,12 +95,16 @@ async def auth_middleware(request: web.Request, handler):
         log.info("refused %s %s from %s: missing or wrong token", request.method,
                  request.path, request.remote)  # fmt: skip
         return error(
-            401, "unauthorized", "missing or wrong token", **{"WWW-Authenticate": "Bearer"}
+            401,
+            "unauthorized",
+            "missing or wrong token",
+            body=_error_body_of(request),
+            **{"WWW-Authenticate": "Bearer"},
         )
     try:
         return await handler(request)
     except Refused as exc:  # raised before the 200 by Slot and KVLedger.hold
-        return refusal_response(exc)
+        return refusal_response(exc, _error_body_of(request))
 
 
 async def json_body(request: web.Request) -> Any:

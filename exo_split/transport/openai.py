@@ -1,0 +1,327 @@
+"""The JSON of the OpenAI-compatible endpoints (no aiohttp, no framework): request bodies in,
+responses, stream chunks and errors out. The handlers are in node/openai.py.
+
+- POST /v1/chat/completions (messages, through the model's chat template) and
+  POST /v1/completions (a raw prompt), streaming (SSE) or not; GET /v1/models.
+- Options: max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
+  stream_options.include_usage. Options that would change the output and that exo-split
+  does not implement (n > 1, logprobs, penalties, tools, ...) are refused, not ignored.
+- Without a seed, a random one is drawn per request, as OpenAI samples without one.
+- exo-split's own options travel in an "exo_split" object (the openai client's extra_body):
+  {"prefill": "auto|remote|local", "prefill_peer": "HOST:PORT", "fallback": "local|none"}.
+- Every error is {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from exo_split.errors import BadMessages
+from exo_split.sampling import Sampling
+from exo_split.transport.messages import GenerateRequest, check_messages
+
+DEFAULT_MAX_TOKENS = 512  # when the request names none (capped by the context left)
+MAX_STOPS = 4  # as OpenAI
+# Options we refuse unless they have their neutral value: (name, is it neutral?).
+_UNSUPPORTED = (
+    ("n", lambda v: v in (None, 1)),
+    ("best_of", lambda v: v in (None, 1)),
+    ("logprobs", lambda v: v in (None, False, 0)),
+    ("top_logprobs", lambda v: v in (None, 0)),
+    ("echo", lambda v: v in (None, False)),
+    ("suffix", lambda v: v in (None, "")),
+    ("presence_penalty", lambda v: v in (None, 0)),
+    ("frequency_penalty", lambda v: v in (None, 0)),
+    ("logit_bias", lambda v: not v),
+    ("tools", lambda v: not v),
+    ("functions", lambda v: not v),
+    ("response_format", lambda v: not v or v.get("type") == "text"),
+)
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code=None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.code, str(self), param=self.param)
+
+
+def error_body(status: int, code: str | None, message: str, *, param: str | None = None) -> dict:
+    """OpenAI's error object; the type follows the status as OpenAI's own errors do."""
+    kind = {401: "authentication_error", 404: "invalid_request_error"}.get(status)
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A chat (`messages`) or completion (`prompt` text or `token_ids`) request, checked."""
+
+    chat: bool
+    model: str
+    messages: tuple[dict[str, str], ...] | None = None
+    prompt: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, within the context left
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    # exo-split's own options, in the body's "exo_split" object (the openai client's
+    # extra_body): where to prefill, as POST /v1/generate takes them.
+    split: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Any, *, chat: bool) -> CompletionRequest:
+        """Check a request body; OpenAIError(400) names the parameter that is wrong."""
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _bad("model is required: the id GET /v1/models lists", "model", "missing")
+        for name, neutral in _UNSUPPORTED:
+            if name in body and not neutral(body[name]):
+                raise _bad(
+                    f"{name}={body[name]!r} is not supported by exo-split",
+                    name,
+                    "unsupported_parameter",
+                )
+        fields: dict[str, Any] = {}
+        if chat:
+            try:
+                fields["messages"] = tuple(check_messages(body.get("messages")))
+            except BadMessages as exc:
+                raise _bad(str(exc), exc.param) from exc
+        else:
+            fields |= _prompt(body.get("prompt"))
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise _bad(f"stream must be true or false, got {stream!r}", "stream")
+        return cls(
+            chat=chat,
+            model=model,
+            max_tokens=_max_tokens(body),
+            sampling=_sampling(body),
+            stop=_stop(body.get("stop")),
+            stream=stream,
+            include_usage=stream and bool(options.get("include_usage")),
+            split=_split_options(body.get("exo_split")),
+            **fields,
+        )
+
+    def generate_request(self, max_tokens: int) -> GenerateRequest:
+        """What the decode node runs: the node picks the prefill peer (prefill: auto)."""
+        return GenerateRequest(
+            prompt=self.prompt,
+            token_ids=self.token_ids,
+            messages=self.messages,
+            max_tokens=max_tokens,
+            sampling=self.sampling,
+            **self.split,
+        )
+
+
+SPLIT_OPTIONS = {"prefill": ("auto", "remote", "local"), "fallback": ("local", "none")}
+
+
+def _split_options(options: Any) -> dict[str, Any]:
+    """{"prefill": auto|remote|local, "prefill_peer": "host:port", "fallback": local|none}."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise _bad("exo_split must be an object", "exo_split")
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if (
+            name in SPLIT_OPTIONS
+            and value in SPLIT_OPTIONS[name]
+            or name == "prefill_peer"
+            and isinstance(value, str)
+        ):
+            out[name] = value
+        else:
+            allowed = ", ".join(f"{k}: {'|'.join(v)}" for k, v in SPLIT_OPTIONS.items())
+            raise _bad(
+                f"exo_split.{name}={value!r} is not an option ({allowed}; prefill_peer: HOST:PORT)",
+                f"exo_split.{name}",
+            )
+    return out
+
+
+def _prompt(prompt: Any) -> dict:
+    """A completion prompt: a string, a list of token ids, or a list holding one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return {"token_ids": tuple(prompt)}
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise _bad(f"one prompt per request, got {len(prompt)}", "prompt")
+    raise _bad("prompt must be a string or a non-empty list of token ids", "prompt")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _max_tokens(body: dict) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
+    name = name or "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise _bad(f"{name} must be a positive integer, got {value!r}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
+        raise _bad(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
+    return float(value)
+
+
+def _sampling(body: dict) -> Sampling:
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise _bad(f"seed must be an integer, got {seed!r}", "seed")
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("top_p must be above 0", "top_p")
+    return Sampling(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's default: 1
+        top_p=top_p,
+        seed=secrets.randbits(63) if seed is None else seed % 2**64,
+    )
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOPS:
+        raise _bad(f"at most {MAX_STOPS} stop strings, got {len(stops)}", "stop")
+    return tuple(s for s in stops if s)
+
+
+class StopStrings:
+    """Text pieces in, text out up to the first stop string to appear (not included).
+
+    Text that could be the start of a stop string is held back until the next piece says
+    whether it is one: what comes out equals `cut(whole text)`, piece by piece."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hit = False
+        self._held = ""
+
+    def push(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        text = self._held + piece
+        cut = cut_at_stop(text, self.stops)
+        if cut is not None:
+            self.hit, self._held = True, ""
+            return text[:cut]
+        keep = max((_overlap(text, s) for s in self.stops), default=0)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+
+def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Where the text ends because of a stop string (None: it does not): at the start of the
+    first one to be complete as the text grows (the earliest end; on a tie the longest), which
+    is where a stream notices it."""
+    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The longest end of `text` that starts `stop` (shorter than `stop` itself)."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response and chunk of one request shares."""
+
+    chat: bool
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+
+    @classmethod
+    def new(cls, chat: bool, created: int, model: str, fingerprint: str) -> Reply:
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat, f"{prefix}-{secrets.token_hex(12)}", created, model, fingerprint)
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}  # fmt: skip
+
+    def response(self, text: str, finish_reason: str, use: dict, report: dict) -> dict:
+        """The whole (non-streaming) response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return head | {"choices": [choice], "usage": use, "exo_split": {"report": report}}
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, **extra) -> dict:
+        """One stream chunk: new text, or the end (finish_reason); `extra` adds fields."""
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            if text == "" and finish_reason is None:  # the first chunk names the role
+                delta = {"role": "assistant", "content": ""}
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return head | {"choices": [choice]} | extra
+
+    def usage_chunk(self, use: dict, **extra) -> dict:
+        """The last chunk with stream_options.include_usage: no choices, the usage."""
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return head | {"choices": [], "usage": use} | extra
+
+
+def models_list(model_id: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(model_id, created)]}
+
+
+def model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "exo-split"}
