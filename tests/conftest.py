@@ -10,6 +10,22 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _mlx_without_compile() -> None:
+    """The tests run MLX in this process both on the main thread (the `generate` command) and
+    on compute threads (in-process nodes). A compile cache left on the main thread is then
+    destroyed at exit after Python has gone, and the process dies (SIGSEGV/SIGABRT, about
+    half the time) after every test passed. mx.compile only fuses kernels, so the tests turn
+    it off here; node processes the tests start compile as usual."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return
+    mx.disable_compile()
+
+
+_mlx_without_compile()
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(family) -> path of a tiny random HF checkpoint, built once per session."""
