@@ -207,3 +207,13 @@ def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
             f"prompt + max tokens = {total} exceeds the sliding window of {spec.sliding_window}; "
             "exo-split does not support sliding-window attention beyond the window yet"
         )
+
+
+def check_token_ids(spec: ModelSpec, token_ids) -> None:
+    """Every id must index the embedding: on CUDA an out-of-range id is a device-side assert
+    that poisons the whole process, so it is refused before any work."""
+    bad = next((t for t in token_ids if not 0 <= t < spec.vocab_size), None)
+    if bad is not None:
+        raise ExoSplitError(
+            f"token id {bad} is outside the vocabulary (ids 0..{spec.vocab_size - 1})"
+        )

@@ -1,11 +1,13 @@
 """Misbehaving prefill peers for reliability tests, and the mutations of a frame stream.
 
-`FakePrefillPeer` is an aiohttp server on 127.0.0.1, in a thread of the test process, that
-answers POST /v1/prefill as its current `plan` says: forward to a real prefill node and record
-the bytes (`proxy`), replay bytes and then close, cut, reset or stall (`replay`), answer with
-a status (`status`), or never answer (`hang`). A real prefill node (a separate process) is
-what the decode node talks to in the kill tests; the fake is for what a real node would not
-do on purpose.
+`FakePrefillPeer` is a server on 127.0.0.1, in a thread of the test process, that speaks the
+node's control plane (aiohttp, POST /v1/prefill answered with a ticket) and data plane (the
+KV data connection on the same port, transport/datalink.py) and does what its current `plan`
+says: forward to a real prefill node and record the bytes (`proxy`), replay bytes on the data
+connection and then close, cut, reset or stall (`replay`), answer with a status (`status`),
+never answer (`hang`), or hand out a ticket it never honours (`bad_ticket`). A real prefill
+node (a separate process) is what the decode node talks to in the kill tests; the fake is for
+what a real node would not do on purpose.
 
 `mutate_stream` is the one mutation engine behind both the in-process 50,000-frame run and the
 streams sent to a live decode node.
@@ -25,11 +27,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
-from nodes import TOKEN
+from nodes import TOKEN, open_kv_stream
 
+from exo_split import PROTOCOL_VERSION
 from exo_split.transport import wire
+from exo_split.transport.datalink import DataConnection, Listener, Tickets
+
+TICKETS = web.AppKey("tickets", Tickets)
 
 # ---- the fake peer -------------------------------------------------------------------------
 
@@ -53,7 +58,7 @@ class FakePrefillPeer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._runner: web.AppRunner | None = None
+        self._listener: Listener | None = None
         self.port = self._call(self._start())
 
     def _call(self, coro, timeout: float = 30):
@@ -62,11 +67,9 @@ class FakePrefillPeer:
     async def _start(self) -> int:
         app = web.Application()
         app.router.add_post("/v1/prefill", self._prefill)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        app[TICKETS] = Tickets()
+        self._listener = Listener(app, app[TICKETS], shutdown_timeout=0.5)
+        return await self._listener.start("127.0.0.1", 0)
 
     @property
     def addr(self) -> str:
@@ -78,7 +81,7 @@ class FakePrefillPeer:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._call(self._runner.cleanup(), timeout=10)
+            self._call(self._listener.stop(), timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
@@ -92,69 +95,82 @@ class FakePrefillPeer:
         return await plan(request, served)
 
 
-async def _stream_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-exo-split-frames"})
+async def _admit(request: web.Request, ticket_hex: str | None = None):
+    """Answer 200 with a ticket (or `ticket_hex`, which nobody issued), as a node does; then
+    the data connection that redeems it, or None."""
+    tickets = request.app[TICKETS]
+    ticket = tickets.issue()
+    answer = {"protocol": PROTOCOL_VERSION, "ticket": ticket_hex or ticket.hex, "expires_s": 10}
+    resp = web.json_response(answer)
+    resp.force_close()
     await resp.prepare(request)
-    return resp
+    await resp.write_eof()
+    try:
+        return resp, await asyncio.wait_for(asyncio.shield(ticket.future), 10)
+    except (asyncio.TimeoutError, TimeoutError):
+        return resp, None
+    finally:
+        tickets.discard(ticket)
 
 
-async def _wait_for_hangup(request: web.Request, served: Served, limit: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while loop.time() < end:
-        if request.transport is None or request.transport.is_closing():
-            served.closed_by_client = loop.time()
-            return
-        await asyncio.sleep(0.01)
+async def _wait_for_hangup(conn: DataConnection, served: Served, limit: float = 60.0) -> None:
+    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+        await asyncio.wait_for(conn.lost.wait(), limit)
+        served.closed_by_client = asyncio.get_running_loop().time()
 
 
 def replay(
     data: bytes, *, upto: int | None = None, then: str = "close", piece: int = 65536
 ) -> Callable:
-    """Send data[:upto]; then "close" (clean end), "reset" (RST) or "stall" (keep the
-    connection open, send nothing, until the client hangs up)."""
+    """Send data[:upto] on the data connection; then "close" (clean end), "reset" (RST) or
+    "stall" (keep the connection open, send nothing, until the client hangs up)."""
 
     async def plan(request: web.Request, served: Served) -> web.StreamResponse:
-        resp = await _stream_response(request)
+        resp, conn = await _admit(request)
+        if conn is None:
+            return resp
         out = data[:upto] if upto is not None else data
-        try:
-            for i in range(0, len(out), piece):
-                await resp.write(out[i : i + piece])
-                served.sent += len(out[i : i + piece])
-            if then == "stall":
-                await _wait_for_hangup(request, served)
-            elif then == "reset" and request.transport is not None:
-                await asyncio.sleep(0.05)
-                sock = request.transport.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                request.transport.abort()
-                return resp
-            await resp.write_eof()
-        except ConnectionError:
-            pass
+        for i in range(0, len(out), piece):
+            if conn.lost.is_set():
+                break
+            conn.transport.write(out[i : i + piece])
+            served.sent += len(out[i : i + piece])
+            await asyncio.sleep(0)
+        if then == "stall":
+            await _wait_for_hangup(conn, served)
+        elif then == "reset":
+            await asyncio.sleep(0.05)
+            sock = conn.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.abort()
+            return resp
+        conn.close()
         return resp
 
     return plan
 
 
 def proxy(real_url: str, record: list[bytes]) -> Callable:
-    """Forward the request to a real prefill node and the bytes back; keep a copy."""
+    """Forward the request to a real prefill node and its KV stream back; keep a copy."""
 
     async def plan(request: web.Request, served: Served) -> web.StreamResponse:
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(f"{real_url}/v1/prefill", json=served.body,
-                   headers={"Authorization": request.headers["Authorization"]}) as upstream,
-        ):  # fmt: skip
-            assert upstream.status == 200, await upstream.text()
-            resp = await _stream_response(request)
-            got = bytearray()
-            async for chunk in upstream.content.iter_any():
-                got += chunk
-                await resp.write(chunk)
-            record.append(bytes(got))
-            await resp.write_eof()
-            return resp
+        code, reader, writer = await open_kv_stream(real_url, served.body,
+                                                    request.headers["Authorization"])  # fmt: skip
+        assert code == 200, reader
+        got = await reader.read()
+        writer.close()
+        record.append(got)
+        return await replay(got)(request, served)
+
+    return plan
+
+
+def bad_ticket() -> Callable:
+    """Answer 200 with a ticket this peer never issued: its data connection is refused."""
+
+    async def plan(request: web.Request, served: Served) -> web.StreamResponse:
+        resp, _ = await _admit(request, ticket_hex="ab" * 32)
+        return resp
 
     return plan
 
@@ -171,7 +187,13 @@ def hang() -> Callable:
     """Accept the request and never answer (no status line) until the client hangs up."""
 
     async def plan(request: web.Request, served: Served) -> web.StreamResponse:
-        await _wait_for_hangup(request, served)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 60
+        while loop.time() < end:
+            if request.transport is None or request.transport.is_closing():
+                served.closed_by_client = loop.time()
+                break
+            await asyncio.sleep(0.01)
         return web.Response()
 
     return plan

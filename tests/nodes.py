@@ -110,6 +110,25 @@ def generate_sync(url: str, body: dict, **kw) -> dict:
     return events[-1]
 
 
+async def open_kv_stream(url: str, body: dict, authorization: str = f"Bearer {TOKEN}"):
+    """POST /v1/prefill, then the KV data connection its ticket admits, on the same port:
+    (200, reader, writer) of the data connection, or (status, answer body, None)."""
+    from exo_split import PROTOCOL_VERSION
+    from exo_split.transport.datalink import TICKET, TICKET_MAGIC
+
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{url}/v1/prefill", json=body, headers={"Authorization": authorization}) as resp,
+    ):
+        answer = await resp.json(content_type=None)
+        if resp.status != 200:
+            return resp.status, answer, None
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    writer.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, bytes.fromhex(answer["ticket"])))
+    return 200, reader, writer
+
+
 async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as s, s.request(method, url, headers=headers, **kw) as resp:

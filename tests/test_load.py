@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 import pytest
-from nodes import TOKEN, NodeProcess, generate, request
+from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request
 from reference import prompt_ids, reference_generate
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -137,16 +137,17 @@ def test_prefill_node_at_its_limit_answers_503_with_retry_after(nodes):
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def fill_then_ask():
-        async with aiohttp.ClientSession() as s:
-            held = [await s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers)
-                    for _ in range(2)]  # fmt: skip
-            for r in held:  # both admitted and streaming: the node is at its limit
-                assert r.status == 200 and (await r.content.readexactly(32))[:4] == b"EXOS"
-            async with s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers) as third:
-                answer = third.status, dict(third.headers), await third.json()
-            for r in held:
-                r.close()
-            return answer
+        held = [await open_kv_stream(prefill.url, body) for _ in range(2)]
+        for code, reader, _ in held:  # both admitted and streaming: the node is at its limit
+            assert code == 200 and (await reader.readexactly(32))[:4] == b"EXOS"
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers) as third,
+        ):
+            answer = third.status, dict(third.headers), await third.json()
+        for _, _, writer in held:
+            writer.close()
+        return answer
 
     code, headers_, payload = asyncio.run(fill_then_ask())
     assert code == 503

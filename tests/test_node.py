@@ -106,6 +106,29 @@ def test_wrong_or_missing_token_is_refused_before_any_work(pairs, token):
     assert status == 200
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(pairs):
+    """On CUDA an id past the embedding is a device-side assert that poisons the process:
+    both endpoints answer 400 before anything is admitted or computed."""
+    t, m = pairs["llama"]
+    before_t, before_m = _stats(t), _stats(m)
+    vocab = t.info["spec"]["vocab_size"]
+    spec = t.info["spec"]
+    for bad in (vocab, 2**31 - 1):
+        prefill_body = {"request_id": "v", "token_ids": [1, 5, bad], "spec": spec,
+                        "fingerprint": spec["fingerprint"]}  # fmt: skip
+        status, raw, _ = asyncio.run(request("POST", f"{t.url}/v1/prefill", json=prefill_body))
+        assert status == 400, raw
+        message = json.loads(raw)["message"]
+        assert f"token id {bad} is outside the vocabulary (ids 0..{vocab - 1})" == message
+        gen_body = {"token_ids": [1, 5, bad], "max_tokens": 2, "prefill_peer": t.addr}
+        status, raw, _ = asyncio.run(request("POST", f"{m.url}/v1/generate", json=gen_body))
+        assert status == 400, raw
+        assert json.loads(raw)["message"] == message
+    # no work: nothing counted, nothing held, nothing admitted on either node
+    assert _stats(t) == before_t and _stats(m) == before_m
+    assert _stats(t)["kv_bytes_peak"] == before_t["kv_bytes_peak"]
+
+
 def test_incompatible_fingerprint_fails_before_any_layer_frame(pairs, checkpoint, tmp_path):
     t, _ = pairs["llama"]
     other = tmp_path / "other"

@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 from fakes import (
     FakePrefillPeer,
+    bad_ticket,
     black_hole,
     frame_offsets,
     hang,
@@ -34,7 +35,7 @@ from fakes import (
     status,
     with_crc,
 )
-from nodes import TOKEN, NodeProcess, generate, request
+from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request
 from reference import prompt_ids, reference_generate
 
 from exo_split.report import load_report
@@ -236,6 +237,12 @@ MISBEHAVIOUR = {
         "outside the vocabulary",
         SLACK,
     ),
+    "ticket refused": (lambda s: bad_ticket(), "closed the stream", SLACK),
+    "200 without a ticket": (
+        lambda s: status(200, "no ticket here"),
+        "answered 200 without a protocol 2 ticket",
+        SLACK,
+    ),
     "503 busy": (
         lambda s: status(503, "full", {"Retry-After": "1"}),
         "busy (503, retry after 1 s)",
@@ -376,6 +383,15 @@ def test_mutated_streams_against_a_live_decode_node(nodes, plan, ckpt):
 LONG = prompt_ids(4000, seed=5)
 
 
+async def _leave_kv_stream_after(url: str, body: dict, n_bytes: int) -> float:
+    """Open a KV stream, read n bytes of it, then drop the data connection."""
+    code, reader, writer = await open_kv_stream(url, body)
+    assert code == 200, reader
+    await reader.readexactly(n_bytes)
+    writer.transport.abort()  # the client goes away mid-stream
+    return time.monotonic()
+
+
 async def _disconnect_after(url: str, path: str, body: dict, n_lines: int | None, n_bytes: int):
     """POST, read until n NDJSON lines (or n bytes) have come, then drop the connection."""
     async with aiohttp.ClientSession() as s:
@@ -413,7 +429,7 @@ def test_client_leaving_a_prefill_stream_stops_the_prefill_within_one_layer(node
     spec = prefill.info["spec"]
     body = {"request_id": "leaver", "token_ids": LONG, "spec": spec,
             "fingerprint": spec["fingerprint"], "chunk": 16}  # fmt: skip
-    left_at = asyncio.run(_disconnect_after(prefill.url, "/v1/prefill", body, None, 20_000))
+    left_at = asyncio.run(_leave_kv_stream_after(prefill.url, body, 20_000))
     _check_stopped_within_one_layer(prefill, before, left_at)
 
 

@@ -10,7 +10,6 @@ import contextlib
 import random
 import tracemalloc
 import zlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,28 +18,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_split.errors import ProtocolError
+from exo_split.transport import decoder as decoder_module
 from exo_split.transport import wire
+from exo_split.transport.decoder import FrameDecoder
 
+# Frames of at most 3 positions (3 x 64 B): a chunk of 4 travels as two frames.
 SPEC = wire.StreamSpec(
-    n_layers=3, n_kv_heads=2, head_dim=8, dtype=wire.WireDtype.float16, prompt_len=10
-)
-HELLO = {"spec": {"n_layers": 3}, "prefill_received": 1.0, "prefill_replied": 2.0}
+    n_layers=3, n_kv_heads=2, head_dim=8, dtype=wire.WireDtype.float16, prompt_len=10,
+    max_frame_bytes=3 * 64,
+)  # fmt: skip
+PLAN = wire.Plan(wire.chunk_sizes(10, 4), 3, n_layers=3)
+HELLO = {"spec": {"n_layers": 3}, "prefill_received": 1.0, "prefill_replied": 2.0,
+         "plan": PLAN.to_json()}  # fmt: skip
 END = {"prefill_start": 1.0, "prefill_end": 2.0, "pieces": []}
-# The most one frame may make the parser allocate: the largest LAYER this spec allows (the
-# whole prompt in one piece) or the JSON cap.
-ALLOWED = max(SPEC.layer_payload_len(SPEC.prompt_len), wire.MAX_JSON_PAYLOAD)
+# The most one frame may make the parser allocate: the largest LAYER frame the receiver
+# accepts, the JSON cap, or END's cap under the plan.
+ALLOWED = max(SPEC.max_frame_bytes, wire.MAX_JSON_PAYLOAD, PLAN.end_cap())
 
 
-def valid_stream(chunk: int = 4) -> tuple[bytes, dict]:
+def valid_stream() -> tuple[bytes, dict]:
     """A valid stream and what it carries: {(layer, token_start): payload}, token, objects."""
     rng = np.random.default_rng(0)
     parts, layers = [wire.encode_hello(HELLO)], {}
-    for start in range(0, SPEC.prompt_len, chunk):
-        n = min(chunk, SPEC.prompt_len - start)
-        for layer in range(SPEC.n_layers):
-            k, v = (rng.integers(0, 2**16, (2, n, 8), dtype=np.uint16) for _ in "kv")
-            parts.append(wire.encode_layer(layer, start, n, SPEC.dtype, k, v))
-            layers[(layer, start)] = k.tobytes() + v.tobytes()
+    for _, layer, start, n in PLAN.frames():
+        k, v = (rng.integers(0, 2**16, (2, n, 8), dtype=np.uint16) for _ in "kv")
+        parts.append(wire.encode_layer(layer, start, n, SPEC.dtype, k, v))
+        layers[(layer, start)] = k.tobytes() + v.tobytes()
     parts += [wire.encode_token(42, -0.5), wire.encode_end(END)]
     data = b"".join(wire.frame_bytes(p) for p in parts)
     return data, {"layers": layers, "token": (42, -0.5)}
@@ -52,7 +55,7 @@ FRAMES = split_frames(STREAM)
 
 def parse(data: bytes, rng: random.Random) -> str:
     """'valid' or 'protocol_error'; asserts a valid parse carries exactly the original."""
-    decoder, frames, last = wire.FrameDecoder(SPEC), [], 0
+    decoder, frames, last = FrameDecoder(SPEC), [], 0
     cuts = sorted(rng.sample(range(1, len(data)), min(5, len(data) - 1))) if len(data) > 1 else []
     try:
         for cut in (*cuts, len(data)):  # the bytes arrive in pieces of any size
@@ -65,7 +68,7 @@ def parse(data: bytes, rng: random.Random) -> str:
     return "valid"
 
 
-def check_content(frames: list[wire.Frame]) -> None:
+def check_content(frames: list) -> None:
     kinds = [f.kind for f in frames]
     n_layer = len(CONTENT["layers"])
     assert kinds == [wire.Kind.HELLO] + [wire.Kind.LAYER] * n_layer + [
@@ -86,26 +89,25 @@ MUTATED_FRAMES = 50_000
 
 
 class Work:
-    """Counts what the decoder does: calls of its two consuming steps, and payload bytes run
-    through the CRC. Linear work: each step completes a header or a payload, or uses up the
-    piece it was given; and every payload byte goes through the CRC once."""
+    """Counts what the decoder does: calls of its consuming step (`buffer_updated`), and
+    payload bytes run through the CRC. Linear work: each step completes a header or a payload
+    block, or uses up the piece it was given; and every payload byte goes through the CRC once."""
 
     def __init__(self, monkeypatch):
         self.steps = self.crc_bytes = 0
-        for name in ("_take_header", "_take_payload"):
-            take = getattr(wire.FrameDecoder, name)
-            monkeypatch.setattr(wire.FrameDecoder, name, self._counted(take))
+        take = FrameDecoder.buffer_updated
+        monkeypatch.setattr(FrameDecoder, "buffer_updated", self._counted(take))
 
         def crc32(data, value=0):
             self.crc_bytes += len(data)
             return zlib.crc32(data, value)
 
-        monkeypatch.setattr(wire, "zlib", SimpleNamespace(crc32=crc32))
+        monkeypatch.setattr(decoder_module, "crc32", crc32)
 
     def _counted(self, take):
-        def counted(decoder, view):
+        def counted(decoder, n):
             self.steps += 1
-            return take(decoder, view)
+            return take(decoder, n)
 
         return counted
 
@@ -134,7 +136,7 @@ def test_50k_mutated_frames_parse_or_raise_protocol_error_within_bounds(monkeypa
             largest[0] = max(largest[0], args[0])
         return bytearray(*args)
 
-    monkeypatch.setattr(wire, "bytearray", guarded_bytearray, raising=False)
+    monkeypatch.setattr(decoder_module, "bytearray", guarded_bytearray, raising=False)
     work = Work(monkeypatch)
     rng = random.Random(20_260_601)
     outcomes: dict[str, int] = {}
@@ -206,7 +208,7 @@ def test_property_any_header_value_is_checked_before_allocation(field, value, fr
     data = b"".join(frames[: frame + 1])
     tracemalloc.start()
     try:
-        decoder = wire.FrameDecoder(SPEC)
+        decoder = FrameDecoder(SPEC)
         with contextlib.suppress(ProtocolError):
             decoder.feed(data)
         _, peak = tracemalloc.get_traced_memory()

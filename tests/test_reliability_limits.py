@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
-from aiohttp import web
 from fakes import FakePrefillPeer, replay
 from nodes import TOKEN
 from reference import prompt_ids, reference_generate
@@ -23,6 +22,7 @@ from exo_split.node.decode import Coordinator
 from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts
+from exo_split.transport.datalink import Listener
 from exo_split.transport.limits import Limits, decode_kv_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,14 +74,12 @@ async def serving(backends, ckpt, name: str, limits: Limits | None = None, peer:
     state = NodeState(node_id=name, spec=backend.spec, backend=backend, executor=executor,
                       token=TOKEN, limits=limits, coordinator=coordinator,
                       info={"fingerprint": backend.spec.fingerprint}, timeouts=TIMEOUTS)  # fmt: skip
-    runner = web.AppRunner(make_app(state), shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0)
+    port = await listener.start("127.0.0.1", 0)
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", state
+        yield f"http://127.0.0.1:{port}", state
     finally:
-        await runner.cleanup()
+        await listener.stop()
         if session:
             await session[0].close()
 

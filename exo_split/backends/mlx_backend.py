@@ -210,6 +210,25 @@ class MLXBackend:
         c.offset = end
         mx.eval(c.keys, c.values)
 
+    def receive_views(self, cache: list[KVCache]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Writable numpy views [n_kv_heads, capacity, head_dim] of each layer's preallocated
+        K and V (kv.py's storage dtype: bfloat16 as uint16 words) that alias the cache's own
+        memory, so received KV is written in place (node/receive.py). Valid while no MLX op
+        touches the cache; `receive_done` ends it."""
+        out = []
+        for c in cache:
+            k, v = c.keys, c.values
+            if k.dtype == mx.bfloat16:
+                k, v = k.view(mx.uint16), v.view(mx.uint16)
+                mx.eval(k, v)
+            out.append((np.array(k, copy=False)[0], np.array(v, copy=False)[0]))
+        return out
+
+    def receive_done(self, cache: list[KVCache], n_tokens: int) -> None:
+        """The first `n_tokens` positions of every layer were written through the views."""
+        for c in cache:
+            c.offset = n_tokens
+
     def step(self, cache: list[KVCache], token_id: int) -> np.ndarray:
         logits = self._logits(mx.array([[token_id]]), cache)
         return np.array(logits.astype(mx.float32))

@@ -60,6 +60,22 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="KV held for requests in progress, e.g. 512M, 8G (default 8G)",
     )
+    g.add_argument(
+        "--max-frame-bytes",
+        type=size,
+        default="16M",
+        metavar="SIZE",
+        help="the largest KV frame this node sends or accepts; a bigger layer travels as "
+        "several token ranges (default 16M)",
+    )
+    g.add_argument(
+        "--max-inflight-bytes",
+        type=size,
+        default="64M",
+        metavar="SIZE",
+        help="prefill: KV handed to the sender and not yet on the wire; the prefill waits "
+        "beyond it (default 64M)",
+    )
     for flag, default, what in (
         ("--connect-timeout", 5.0, "connecting to a peer"),
         ("--first-frame-timeout", 30.0, "a prefill peer's first frame"),
@@ -113,6 +129,8 @@ def cmd_node(args) -> int:
             max_prompt_tokens=args.max_prompt_tokens,
             max_concurrent=args.max_concurrent,
             max_kv_bytes=args.max_kv_bytes,
+            max_frame_bytes=args.max_frame_bytes,
+            max_inflight_bytes=args.max_inflight_bytes,
         ),
         timeouts=Timeouts(
             connect=args.connect_timeout,

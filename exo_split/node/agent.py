@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION, __version__
 from exo_split.backends import load_backend
@@ -36,6 +35,7 @@ from exo_split.node.decode import Coordinator
 from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
+from exo_split.transport.datalink import Listener
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import GenerateRequest
 
@@ -118,6 +118,7 @@ class Node:
             session=self.session,
             choose_peer=self.choose_prefill_peer,
             chat=self.chat,
+            max_frame_bytes=config.limits.max_frame_bytes,
         )
         self.coordinator.on_done = self._learn
 
@@ -345,18 +346,16 @@ class Node:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        runner = web.AppRunner(make_app(self.state()), shutdown_timeout=5.0)
-        await runner.setup()
+        state = self.state()
+        listener = Listener(make_app(state), state.tickets, sniff_timeout=state.timeouts.idle)
         try:
-            site = web.TCPSite(runner, self.config.host, self.config.port)
             try:
-                await site.start()
+                port = await listener.start(self.config.host, self.config.port)
             except OSError as exc:
                 raise ExoSplitError(
                     f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror}",
                     hint="pick another --port, or stop the process that holds it",
                 ) from exc
-            port = site._server.sockets[0].getsockname()[1]
             url = f"http://{self.config.host}:{port}"
             discovery_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
             await self.presence.start(port)  # advertised from here until the finally below
@@ -381,7 +380,7 @@ class Node:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             await self.presence.stop()  # goodbye first: peers stop choosing us at once
-            await runner.cleanup()
+            await listener.stop()
             if self._session is not None:
                 await self._session.close()
             self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,11 +1,11 @@
-"""The decode side of a split: pull the KV from a prefill peer, inject each layer as it lands,
+"""The decode side of a split: pull the KV from a prefill peer straight into the decode cache,
 decode, and account for every moment (the Timeline of report/timeline.py).
 
-Reading the stream and injecting run as two tasks joined by a queue, so a layer is received
-while the previous one is being converted and written into the cache. All backend work runs
-on the node's single compute thread. If the peer fails before END (dies, stalls, sends
-garbage, runs another model) the partial KV is discarded and the prompt prefilled locally,
-unless the request says `fallback: none`.
+The KV stream lands in the preallocated cache as it arrives (node/receive.py: the socket
+writes into the cache's memory; a frame's CRC is checked on a worker thread as the next one
+arrives). All backend work runs on the node's single compute thread. If the peer fails
+before END (dies, stalls, sends garbage, runs another model) the partial KV is discarded and
+the prompt prefilled locally, unless the request says `fallback: none`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import aiohttp
 
@@ -29,21 +29,20 @@ from exo_split.chat import ChatTemplate
 from exo_split.errors import (
     AuthError,
     BadCheckpoint,
-    ExoSplitError,
     IncompatiblePeer,
     PeerBusy,
     PeerUnavailable,
     ProtocolError,
 )
-from exo_split.kv import LayerKV
 from exo_split.node.prefill import forget_frames, wait_through_cancel
+from exo_split.node.receive import STAGED_FRAMES, open_sink
 from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
 from exo_split.sampling import sample
-from exo_split.spec import ModelSpec, check_request, require_compatible
+from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
 from exo_split.tokenizer import TextCodec, TextStream
 from exo_split.transport import wire
-from exo_split.transport.client import Timeouts, prefill_frames
-from exo_split.transport.limits import PIECES_IN_FLIGHT
+from exo_split.transport.client import Timeouts, kv_stream
+from exo_split.transport.limits import decode_kv_bytes
 from exo_split.transport.messages import GenerateRequest, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -73,6 +72,7 @@ class _Remote:
     end: dict | None = None
     received: list[tuple[_Piece, float]] = field(default_factory=list)
     injected: list[float] = field(default_factory=list)
+    stamps: dict[str, list[float]] = field(default_factory=dict)  # END's, per piece
 
 
 class Coordinator:
@@ -87,6 +87,7 @@ class Coordinator:
         session: Callable[[], aiohttp.ClientSession],
         choose_peer: Callable[[GenerateRequest, int], Awaitable[tuple[str | None, dict | None]]],
         chat: ChatTemplate | None = None,
+        max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
     ):
         self.chat = chat  # the checkpoint's chat template; None: it has none
         self.backend = backend
@@ -97,10 +98,19 @@ class Coordinator:
         self.timeouts = timeouts
         self.session = session
         self.choose_peer = choose_peer
+        self.max_frame_bytes = max_frame_bytes
 
     async def _run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def kv_need(self, prompt_len: int, max_tokens: int) -> int:
+        """The KV bytes a request holds at most (the ledger's reservation): the cache at
+        full capacity, plus staged frames when the backend cannot be received into."""
+        direct = hasattr(self.backend, "receive_views")
+        staging = 0 if direct else STAGED_FRAMES * self.max_frame_bytes
+        return decode_kv_bytes(self.spec, self.backend.dtype, prompt_len, max_tokens,
+                               staging=staging)  # fmt: skip
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), checked against
@@ -117,11 +127,7 @@ class Coordinator:
             ids = list(req.token_ids)
         else:
             ids = self.codec.tokenize(req.prompt)
-        bad = [t for t in ids if t >= self.spec.vocab_size]
-        if bad:
-            raise ExoSplitError(
-                f"token id {bad[0]} is outside the vocabulary ({self.spec.vocab_size})"
-            )
+        check_token_ids(self.spec, ids)
         check_request(self.spec, len(ids), req.max_tokens)
         return ids
 
@@ -245,8 +251,10 @@ class Coordinator:
                 waited += pause
 
     async def _remote_prefill(self, peer, req, ids, capacity, remote: _Remote, emit, emit_token):
-        """Pull and inject; returns the filled cache. Raises one of PEER_FAILURES."""
-        cache = await self._run(self.backend.new_cache, capacity)
+        """Pull the KV straight into a new cache; returns it filled. Raises one of
+        PEER_FAILURES; then the partial cache is already dropped."""
+        sink = await self._run(open_sink, self.backend, await self._run(self.backend.new_cache,
+                                                                         capacity))  # fmt: skip
         body = PrefillRequest(
             request_id=uuid.uuid4().hex[:16],
             token_ids=tuple(ids),
@@ -256,83 +264,53 @@ class Coordinator:
             overlap=req.overlap,
             chunk=req.chunk,
             dtype=self.backend.dtype,
+            max_frame_bytes=self.max_frame_bytes,
         ).to_json()
-        stream_spec = wire.StreamSpec(
-            self.spec.n_layers,
-            self.spec.n_kv_heads,
-            self.spec.head_dim,
-            wire.WireDtype.from_name(self.backend.dtype),
-            len(ids),
-        )
-        pieces: asyncio.Queue = asyncio.Queue(maxsize=PIECES_IN_FLIGHT)
-        injector = asyncio.create_task(self._inject_all(peer, cache, pieces, remote))
-        n_pieces = 0
+        spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
+                               wire.WireDtype.from_name(self.backend.dtype), len(ids),
+                               self.max_frame_bytes)  # fmt: skip
+        pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()
-            frames = prefill_frames(
-                self.session(), peer, self.token, body, stream_spec, self.timeouts
-            )
+            frames = kv_stream(self.session(), peer, self.token, body, spec, self.timeouts,
+                               dest=sink.dest, max_pending=self.max_frame_bytes)  # fmt: skip
             async with contextlib.aclosing(frames):
                 async for frame in frames:
                     now = clock()
                     if frame.kind is wire.Kind.HELLO:
                         remote.hello, remote.hello_at = frame.obj, now
                         self._check_hello(peer, frame.obj)
+                        pieces = list(wire.Plan.from_json(frame.obj["plan"], spec).pieces())
                     elif frame.kind is wire.Kind.LAYER:
-                        h = frame.header
-                        try:
-                            kv = LayerKV.from_bytes(
-                                h.layer, h.token_start, h.n_tokens, self.spec.n_kv_heads,
-                                self.spec.head_dim, self.backend.dtype, frame.k, frame.v,
-                            )  # fmt: skip
-                        except ValueError as exc:
-                            raise ProtocolError(f"{peer}: {h.describe()}: {exc}") from exc
-                        piece = _Piece(kv.layer, kv.token_start, kv.n_tokens, kv.nbytes)
-                        remote.received.append((piece, now))
-                        await _hand_over(pieces, kv, injector)
-                        del kv, frame  # the bytes live on only until injected
-                        n_pieces += 1
-                        await emit(
-                            {
-                                "type": "progress",
-                                "layer": h.layer,
-                                "layers": self.spec.n_layers,
-                                "tokens": h.token_start + h.n_tokens,
-                                "of": len(ids),
-                            }
-                        )
+                        await sink.landed(frame, self._run)
+                        if frame.last:  # a whole (chunk, layer) piece is in the cache
+                            layer, start, n = pieces[frame.piece]
+                            piece = _Piece(layer, start, n, spec.layer_payload_len(n))
+                            remote.received.append((piece, now))
+                            remote.injected.append(clock())
+                            progress = {"type": "progress", "layer": layer,
+                                        "layers": self.spec.n_layers, "tokens": start + n,
+                                        "of": len(ids)}  # fmt: skip
+                            await emit(progress)
+                        del frame
                     elif frame.kind is wire.Kind.TOKEN:
                         remote.first_token, remote.first_token_at = frame.token_id, now
                     elif frame.kind is wire.Kind.END:
                         remote.end = frame.obj
-            await _hand_over(pieces, None, injector)
-            await injector
+            if remote.end is None or remote.first_token is None:
+                raise PeerUnavailable(f"{peer} ended the stream without TOKEN and END")
+            remote.stamps = _check_end(peer, remote.end, len(pieces))
+            if remote.first_token >= self.spec.vocab_size:
+                raise ProtocolError(
+                    f"{peer}: first token {remote.first_token} is outside the vocabulary"
+                )
+            cache = await self._run(sink.finish, len(ids))
         except BaseException:
-            injector.cancel()
-            await asyncio.gather(injector, return_exceptions=True)
-            cache = kv = None  # noqa: F841 - the exception's traceback keeps this frame
+            sink.close()
+            sink.cache = None  # the partial KV goes now, before any local prefill
             raise
-        if remote.end is None or remote.first_token is None:
-            raise PeerUnavailable(f"{peer} ended the stream without TOKEN and END")
-        _check_end(peer, remote.end, n_pieces)
-        if remote.first_token >= self.spec.vocab_size:
-            raise ProtocolError(
-                f"{peer}: first token {remote.first_token} is outside the vocabulary"
-            )
         await emit_token(remote.first_token)
         return cache
-
-    async def _inject_all(self, peer: str, cache, pieces: asyncio.Queue, remote: _Remote) -> None:
-        try:
-            while (kv := await pieces.get()) is not None:
-                try:
-                    await self._run(self.backend.inject, cache, kv)
-                except ValueError as exc:  # a piece that does not fit: the peer's fault
-                    raise ProtocolError(f"{peer}: cannot inject layer {kv.layer}: {exc}") from exc
-                del kv
-                remote.injected.append(clock())
-        finally:
-            cache = kv = None  # noqa: F841 - a cancelled injector's traceback keeps its frame
 
     def _check_hello(self, peer: str, hello: dict | None) -> None:
         if not hello or "spec" not in hello:
@@ -368,22 +346,27 @@ class Coordinator:
                 mode="local", prefill_start=local[0], prefill_end=local[1], layers=layers,
                 clock=None, **common,
             )  # fmt: skip
-        end, hello = remote.end, remote.hello
+        end, hello, stamps = remote.end, remote.hello, remote.stamps
         layers = tuple(
             LayerTiming(
                 kv.layer,
                 kv.token_start,
                 kv.n_tokens,
                 kv.nbytes,
-                p["compute_done"],
-                p["sent"],
+                compute_done,
+                sent,
                 received,
                 injected,
-                send_start=p["send_start"] if isinstance(p.get("send_start"), float) else None,
+                send_start=send_start,
             )  # fmt: skip
-            for (kv, received), injected, p in zip(
-                remote.received, remote.injected, end["pieces"], strict=True
-            )
+            for (kv, received), injected, compute_done, send_start, sent in zip(
+                remote.received,
+                remote.injected,
+                stamps["compute_done"],
+                stamps["send_start"],
+                stamps["sent"],
+                strict=True,
+            )  # fmt: skip
         )
         sync = ClockSync(
             decode_sent=remote.sent_at,
@@ -402,33 +385,9 @@ def _nothing() -> None:
     """Run on the compute thread as a barrier: when it returns, earlier jobs have finished."""
 
 
-async def _hand_over(pieces: asyncio.Queue, item: Any, injector: asyncio.Task) -> None:
-    """Queue `item` for the injector. The queue is bounded (a slow injector slows the reader,
-    and so the peer, instead of piling up KV); if the injector failed, raise its error rather
-    than wait on a queue nobody empties."""
-    put = asyncio.ensure_future(pieces.put(item))
+def _check_end(peer: str, end: dict, n_pieces: int) -> dict[str, list[float]]:
+    """END must account for every piece with its stamps (the report is built from them)."""
     try:
-        await asyncio.wait({put, injector}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        put.cancel()  # no-op once it is done
-    if injector.done():
-        injector.result()  # the injector's error, if it failed
-    if put.cancelled():
-        raise ProtocolError("the injector stopped before the stream ended")
-
-
-def _check_end(peer: str, end: dict, n_pieces: int) -> None:
-    """END must account for every piece with numeric stamps (the report is built from it)."""
-    pieces = end.get("pieces")
-    ok = isinstance(pieces, list) and len(pieces) == n_pieces
-    ok = ok and all(
-        isinstance(p, dict)
-        and all(isinstance(p.get(k), int | float) for k in ("compute_done", "sent"))
-        for p in pieces
-    )
-    ok = ok and all(isinstance(end.get(k), int | float) for k in ("prefill_start", "prefill_end"))
-    if not ok:
-        raise ProtocolError(
-            f"{peer}: END must list {n_pieces} pieces with compute_done/sent stamps and "
-            "prefill_start/prefill_end"
-        )
+        return wire.parse_end(end, n_pieces)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{peer}: {exc}") from exc

@@ -20,7 +20,6 @@ from aiohttp import web
 from exo_split.errors import ExoSplitError, PromptTooLong
 from exo_split.node.prefill import clock
 from exo_split.spec import check_request
-from exo_split.transport.limits import decode_kv_bytes
 from exo_split.transport.openai import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
@@ -105,7 +104,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except OpenAIError as exc:
         return _error(exc)
     gen = req.generate_request(max_tokens)
-    need = decode_kv_bytes(state.spec, state.backend.dtype, len(ids), max_tokens)
+    need = state.coordinator.kv_need(len(ids), max_tokens)
     with Slot(state, "generate"), state.ledger.hold(need, "this request"):
         state.count("chat_completions" if chat else "completions")
         reply = Reply.new(chat, int(time.time()), req.model, state.spec.fingerprint)

@@ -2,9 +2,11 @@
 as it exists, while later layers are still computing.
 
 The pipeline: the backend's prefill runs on the node's compute thread; its per-layer callback
-puts each piece into a bounded asyncio queue (blocking the compute thread when the sender falls
-behind, so host memory stays bounded); the sender coroutine writes LAYER frames from the
-pieces' memory. With `overlap=False` every piece is held until the whole prefill is done (the
+(any thread: the compute thread on CPU, a stager on CUDA) hands each piece to `_Frames`,
+which cuts it into the Plan's LAYER frames (views of the piece, no copies) for the
+FrameSender's CRC and send threads. The bytes handed over and not yet on the wire are bounded
+by `InFlight` (the callback waits when they exceed it), so host memory is bounded in bytes.
+With `overlap=False` the KV goes out after the whole prefill, one layer at a time (the
 baseline that shows what overlap buys). Knows bytes and a backend, not HTTP.
 """
 
@@ -12,50 +14,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any
+
+import numpy as np
 
 from exo_split.backends.base import Backend, Cancelled
 from exo_split.kv import LayerKV
 from exo_split.sampling import sample
 from exo_split.transport import wire
+from exo_split.transport.datalink import DataConnection, FrameSender
 from exo_split.transport.messages import PrefillRequest
+from exo_split.transport.server import ClientGone
 
 log = logging.getLogger(__name__)
-
-Write = Callable[[Any], Awaitable[None]]
 clock = time.perf_counter
-_DONE = object()
-
-
-async def write_frame(write: Write, parts: list) -> None:
-    for part in parts:
-        await write(part)
+DEFAULT_INFLIGHT_BYTES = 64 << 20
 
 
 @dataclass
 class Progress:
     """One prefill's progress and its stop signal.
 
-    The compute thread polls `cancelled` between layers (and while it waits for the sender).
+    The compute thread polls `cancelled` between layers (and while it waits for the wire).
     `cancel()` remembers how many pieces existed when the stop was asked for, so /v1/info can
     show (and a test can check) that the prefill stopped within one layer or chunk.
     """
 
-    total: int = 0  # pieces this prefill produces: layers x chunks
+    total: int = 0  # pieces this prefill computes: layers x chunks
     computed: int = 0
     sent: int = 0
     at_cancel: int | None = None  # `computed` when cancel() was called
     cancelled_at: float | None = None
     stopped_at: float | None = None  # when the compute thread let go of the request
+    inflight_peak: int = 0  # the most KV bytes handed to the sender and not yet on the wire
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -80,55 +80,205 @@ class Progress:
         }
 
 
+class InFlight:
+    """Bytes handed to the sender and not yet on the wire, bounded: `acquire` waits while
+    they exceed `limit` (a piece bigger than the limit goes when nothing else waits), and
+    raises Cancelled if the prefill is cancelled meanwhile."""
+
+    def __init__(self, limit: int, progress: Progress):
+        self.limit, self.progress = limit, progress
+        self.held = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            while self.held and self.held + nbytes > self.limit:
+                if self.progress.cancelled:
+                    raise Cancelled("prefill cancelled while waiting for the wire")
+                self._cond.wait(0.05)
+            self.held += nbytes
+            self.progress.inflight_peak = max(self.progress.inflight_peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.held -= nbytes
+            self._cond.notify_all()
+
+
+class _Part:
+    """A LayerKV handed over by the backend, until the frames that read it are on the wire."""
+
+    def __init__(self, kv: LayerKV, on_free: Callable[[_Part], None]):
+        self.kv, self.on_free = kv, on_free
+        self.end = kv.token_start + kv.n_tokens
+        self.freed = False
+
+    def free(self) -> None:
+        if not self.freed:
+            self.freed = True
+            self.on_free(self)
+            if self.kv.release is not None:
+                self.kv.release()
+            self.kv = None  # type: ignore[assignment]  # the bytes may go now
+
+
+class _Frames:
+    """Cuts the backend's pieces into the Plan's LAYER frames and hands them to the sender.
+
+    Pieces must come in plan order; a (chunk, layer) piece may arrive as several LayerKVs of
+    consecutive token ranges (the frames then take byte views from each). A part is freed
+    (budget back, `release()` called) once the frame holding its last position is sent."""
+
+    def __init__(self, plan: wire.Plan, dtype: wire.WireDtype, sender: FrameSender,
+                 budget: InFlight, progress: Progress, die_after_layer: int | None):  # fmt: skip
+        self.plan, self.dtype, self.sender = plan, dtype, sender
+        self.budget, self.progress, self.die_after_layer = budget, progress, die_after_layer
+        self.stamps = {k: [0.0] * plan.n_pieces for k in wire.END_STAMPS}
+        self._pieces = enumerate(plan.pieces())
+        self._piece: tuple[int, int, int, int] | None = None  # (index, layer, start, n)
+        self._pos = self._frame_start = 0
+        self._parts: list[_Part] = []
+        self._lock = threading.Lock()
+
+    def add(self, kv: LayerKV, computed_at: float) -> None:
+        """One piece (or part of one), on the thread that computed it."""
+        if self._piece is None or self._pos == self._piece[2] + self._piece[3]:
+            index, (layer, start, n) = next(self._pieces, (None, (None, 0, 0)))
+            if index is None:
+                raise RuntimeError(f"the backend produced {_describe(kv)} after the last piece")
+            self._piece, self._pos, self._frame_start = (index, layer, start, n), start, start
+        index, layer, start, n = self._piece
+        if (kv.layer, kv.token_start) != (layer, self._pos) or kv.token_start + kv.n_tokens > (
+            start + n
+        ):
+            raise RuntimeError(f"the backend produced {_describe(kv)} where the plan expects "
+                               f"LAYER {layer} tokens [{self._pos}, {start + n})")  # fmt: skip
+        wire_kv = kv.astype(self.dtype.name)
+        if wire_kv is not kv:  # a converted copy: the original's bytes are not needed now
+            if kv.release is not None:
+                kv.release()
+            kv = dataclasses.replace(wire_kv, release=None)
+        self.budget.acquire(kv.nbytes)
+        self._parts.append(_Part(kv, lambda p: self.budget.release(p.kv.nbytes)))
+        self._pos = kv.token_start + kv.n_tokens
+        self.stamps["compute_done"][index] = computed_at
+        while self._frame_start < self._pos:
+            s, m = self._frame_start, min(self.plan.frame_tokens, start + n - self._frame_start)
+            if s + m > self._pos:
+                break  # the rest of this frame is still to come
+            self._send(index, layer, s, m, last=s + m == start + n)
+            self._frame_start = s + m
+
+    def _send(self, index: int, layer: int, s: int, m: int, last: bool) -> None:
+        parts = [p for p in self._parts if p.end > s and p.kv.token_start < s + m]
+        blocks = [
+            _block(getattr(p.kv, which), h, max(s, p.kv.token_start) - p.kv.token_start,
+                   min(s + m, p.end) - p.kv.token_start)
+            for which in ("k", "v")
+            for h in range(parts[0].kv.k.shape[0])
+            for p in parts
+        ]  # fmt: skip
+        done_with = [p for p in parts if p.end <= s + m]
+        self._parts = [p for p in self._parts if p.end > s + m]
+        assert self._piece is not None
+        first = s == self._piece[2]
+
+        def done(send_start: float, sent: float, ok: bool) -> None:  # the send thread
+            if first:
+                self.stamps["send_start"][index] = send_start
+            if last:
+                self.stamps["sent"][index] = sent
+                if ok:
+                    self.progress.sent += 1
+            with self._lock:
+                for p in done_with:
+                    p.free()
+            if ok and first and layer == self.die_after_layer:
+                _die(layer)
+
+        self.sender.put_layer(layer, s, m, self.dtype, blocks, done)
+
+    def drop(self) -> None:
+        """Free what no frame will ever read (the stream ended early). Call after the
+        sender has stopped, so no `done` runs concurrently."""
+        with self._lock:
+            for p in self._parts:
+                p.free()
+            self._parts = []
+
+
+def _block(arr: np.ndarray, head: int, a: int, b: int) -> memoryview:
+    """Bytes of arr[head, a:b] ([tokens, head_dim] of one head): a view when its rows are
+    contiguous, else a copy of this block only."""
+    block = arr[head, a:b]
+    if not block.flags.c_contiguous:
+        block = np.ascontiguousarray(block)
+    return memoryview(block).cast("B")
+
+
+def _describe(kv: LayerKV) -> str:
+    return f"LAYER {kv.layer} tokens [{kv.token_start}, {kv.token_start + kv.n_tokens})"
+
+
+def prefill_chunks(backend: Backend, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
+    """The chunk sizes the backend's prefill emits pieces for (docs/protocol.md, Plan)."""
+    own = getattr(backend, "prefill_chunks", None)
+    return tuple(own(n_tokens, chunk)) if own is not None else wire.chunk_sizes(n_tokens, chunk)
+
+
 async def stream_prefill(
     backend: Backend,
     executor: Executor,
     req: PrefillRequest,
-    write: Write,
+    conn: DataConnection,
     *,
     hello: dict,
-    queue_depth: int = 4,
-    put_timeout: float = 60.0,
+    timeout: float = 60.0,
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+    inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     progress: Progress | None = None,
     die_after_layer: int | None = None,
 ) -> dict:
-    """Run the prefill and write HELLO, LAYER..., TOKEN, END through `write`.
+    """Run the prefill and write HELLO, LAYER..., TOKEN, END on the data connection.
 
-    Returns the END record. If `write` fails or this coroutine is cancelled (the client went
-    away), the compute thread stops at the next layer or chunk, and this returns only once it
-    has let go of the request's KV; then the error is re-raised. `put_timeout`: the longest
-    the compute thread waits for the sender to take a piece (a receiver that stopped
-    reading). `die_after_layer` is a test hook (docs/reliability.md): SIGKILL this process
-    once that layer's first piece is on the wire.
+    Returns the END record. If the receiver leaves (or reads nothing for `timeout`), the
+    compute thread stops at its next layer or chunk, and this raises ClientGone once it has
+    let go of the request's KV. A failure of the prefill itself goes to the receiver as an
+    ERROR frame, then is re-raised. `die_after_layer` is a test hook (docs/reliability.md):
+    SIGKILL this process 0.2 s after that layer's first frame is on the wire.
     """
-    loop = asyncio.get_running_loop()
     progress = progress or Progress()
-    step = req.chunk or len(req.token_ids)
-    progress.total = backend.spec.n_layers * -(-len(req.token_ids) // step)
-    queue: asyncio.Queue = asyncio.Queue()  # unbounded; `slots` bounds the pieces in it
-    slots = threading.Semaphore(queue_depth)
-    held: list[tuple[LayerKV, float]] = []
+    n, spec = len(req.token_ids), backend.spec
+    dtype = wire.WireDtype.from_name(req.dtype or backend.dtype)
+    compute = prefill_chunks(backend, n, req.chunk)
+    bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
+    limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)
+    plan = wire.Plan(compute if req.overlap else (n,), max(1, limit // bytes_per_token),
+                     spec.n_layers)  # fmt: skip
+    progress.total = spec.n_layers * len(compute)
+    sender = FrameSender(conn.socket(timeout), on_error=lambda exc: progress.cancel())
+    conn.on_lost.append(progress.cancel)
+    if conn.lost.is_set():  # it left before we listened
+        progress.cancel()
+    budget = InFlight(inflight_bytes, progress)
+    frames = _Frames(plan, dtype, sender, budget, progress, die_after_layer)
 
-    def hand_over(item) -> None:  # compute thread
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    layer_done = [0.0] * spec.n_layers  # sequential: when each layer's last chunk was computed
 
-    def put(item) -> None:  # compute thread: block while the sender is behind
-        deadline = clock() + put_timeout
-        while not slots.acquire(timeout=0.05):
-            if progress.cancelled:
-                raise Cancelled("prefill cancelled while waiting for the sender")
-            if clock() > deadline:
-                raise Cancelled(f"the receiver took nothing for {put_timeout:g} s")
-        hand_over(item)
-
-    def on_layer(kv: LayerKV) -> None:  # compute thread
+    def on_layer(kv: LayerKV) -> None:  # any thread
         progress.computed += 1
-        item = (kv.astype(dtype.name), clock())
+        at = kv.computed_at if kv.computed_at is not None else clock()
         if req.overlap:
-            put(item)
-        else:
-            held.append(item)
+            frames.add(kv, at)
+            return
+        layer_done[kv.layer] = at  # only the stamp: the KV goes after the whole prefill
+        if kv.release is not None:
+            kv.release()
+
+    def ship(kv: LayerKV) -> None:  # sequential: the finished cache's KV, layer by layer
+        if progress.cancelled:
+            raise Cancelled("prefill cancelled while sending")
+        frames.add(kv, layer_done[kv.layer])
 
     def work():  # compute thread
         try:
@@ -140,45 +290,33 @@ async def stream_prefill(
                 should_stop=lambda: progress.cancelled,
             )
             t1 = clock()
+            if not req.overlap:
+                stream_kv = getattr(backend, "stream_kv", None)
+                if stream_kv is not None:
+                    stream_kv(done.cache, ship)
+                else:
+                    for kv in backend.export(done.cache):
+                        ship(kv)
             done.cache = None  # the prefill side keeps no KV once it is on the wire
-            while held:
-                put(held.pop(0))
             return t0, t1, sample(done.logits, req.sampling, 0)
         finally:
-            held.clear()
             progress.stopped_at = clock()
-            hand_over(_DONE)
 
-    dtype = wire.WireDtype.from_name(req.dtype or backend.dtype)
-    hello = {**hello, "dtype": dtype.name, "prefill_replied": clock()}
-    await write_frame(write, wire.encode_hello(hello))
+    hello = {**hello, "dtype": dtype.name, "plan": plan.to_json(), "prefill_replied": clock()}
+    sender.put(wire.encode_hello(hello))
     computing = executor.submit(work)
     job = asyncio.wrap_future(computing)
-    pieces: list[dict] = []
+    ended = False  # END or ERROR is on the wire
     try:
-        while (item := await queue.get()) is not _DONE:
-            kv, done_at = item
-            k, v = kv.buffers()
-            frame = wire.encode_layer(kv.layer, kv.token_start, kv.n_tokens, dtype, k, v)
-            send_start = clock()  # first byte handed over; `sent` is the last
-            await write_frame(write, frame)
-            pieces.append(
-                {
-                    "layer": kv.layer,
-                    "token_start": kv.token_start,
-                    "n_tokens": kv.n_tokens,
-                    "nbytes": kv.nbytes,
-                    "compute_done": done_at,
-                    "send_start": send_start,
-                    "sent": clock(),
-                }
-            )
-            del item, kv, k, v, frame  # the piece's memory goes before the next one comes
-            slots.release()
-            progress.sent += 1
-            if die_after_layer is not None and pieces[-1]["layer"] == die_after_layer:
-                await _die(die_after_layer)
-    except BaseException:
+        t0, t1, (token, logprob) = await job
+        sender.put(wire.encode_token(token, logprob))
+        await sender.flush()
+        end = wire.end_record(t0, t1, req.overlap, frames.stamps)
+        sender.put(wire.encode_end(end))
+        await sender.flush()
+        ended = True
+        return end
+    except BaseException as exc:
         progress.cancel()
         if computing.cancel():  # it had not started: it never will
             progress.stopped_at = clock()
@@ -186,12 +324,19 @@ async def stream_prefill(
             await wait_through_cancel(job)
             if not job.cancelled():
                 forget_frames(job.exception())
+        gone = conn.lost.is_set() or sender.error is not None
+        if gone:
+            why = conn.why or f"the receiver read nothing for {timeout:g} s ({sender.error!r})"
+            raise ClientGone(why) from exc
+        if isinstance(exc, Exception):  # the prefill failed: say so in-band
+            sender.put(error_frame(exc))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sender.flush(), timeout)
+                ended = True
         raise
-    t0, t1, (token, logprob) = await job
-    await write_frame(write, wire.encode_token(token, logprob))
-    end = {"prefill_start": t0, "prefill_end": t1, "pieces": pieces, "overlap": req.overlap}
-    await write_frame(write, wire.encode_end(end))
-    return end
+    finally:
+        sender.close(abort=not ended)
+        frames.drop()
 
 
 async def wait_through_cancel(future: asyncio.Future) -> None:
@@ -223,10 +368,11 @@ def forget_frames(exc: BaseException | None) -> None:
         pending += [e.__cause__, e.__context__]
 
 
-async def _die(layer: int) -> None:
-    """The EXO_SPLIT_TEST_DIE_AFTER_LAYER hook: a prefill node killed mid-stream."""
+def _die(layer: int) -> None:
+    """The EXO_SPLIT_TEST_DIE_AFTER_LAYER hook: a prefill node killed mid-stream. Runs on
+    the send thread, so nothing more is sent meanwhile."""
     log.warning("test hook: SIGKILL after layer %d", layer)
-    await asyncio.sleep(0.2)  # let the kernel take the frame already written
+    time.sleep(0.2)  # let the kernel deliver the frame already written
     os.kill(os.getpid(), signal.SIGKILL)
 
 

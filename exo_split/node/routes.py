@@ -1,6 +1,7 @@
-"""The node's HTTP endpoints: GET /v1/info, POST /v1/prefill (the KV frame stream) and
-POST /v1/generate (NDJSON events), on top of transport/server.py's plumbing; the
-OpenAI-compatible ones come from node/openai.py.
+"""The node's HTTP endpoints: GET /v1/info, POST /v1/prefill (admits a prefill, answers a
+ticket, then streams the KV on the data connection the ticket admits) and POST /v1/generate
+(NDJSON events), on top of transport/server.py's plumbing; the OpenAI-compatible ones come
+from node/openai.py.
 
 Handlers are thin: they validate, map errors to statuses, and hand the work to the prefill
 pipeline (node/prefill.py) or the decode coordinator (node/decode.py). Before a 200 an error
@@ -14,6 +15,7 @@ never fit).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -21,17 +23,18 @@ from typing import Any
 
 from aiohttp import web
 
+from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
 from exo_split.node.decode import Coordinator
 from exo_split.node.openai import add_routes as add_openai_routes
-from exo_split.node.prefill import Progress, clock, error_frame, stream_prefill, write_frame
-from exo_split.spec import ModelSpec, check_request, require_compatible
-from exo_split.transport.client import FRAMES_CONTENT_TYPE
-from exo_split.transport.limits import PREFILL_QUEUE_DEPTH, decode_kv_bytes, prefill_kv_bytes
+from exo_split.node.prefill import Progress, clock, stream_prefill
+from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
+from exo_split.transport.limits import prefill_kv_bytes
 from exo_split.transport.messages import GenerateRequest, PrefillRequest
 from exo_split.transport.server import (
     HEARTBEAT_S,
     STATE,
+    ClientGone,
     ServerState,
     Slot,
     Writer,
@@ -74,6 +77,8 @@ async def info(request: web.Request) -> web.Response:
 
 
 async def prefill(request: web.Request) -> web.StreamResponse:
+    """Admit a prefill and answer its ticket; then wait for the data connection the ticket
+    admits and stream the KV there (docs/protocol.md)."""
     state = request.app[STATE]
     received = clock()
     body = await json_body(request)
@@ -86,16 +91,23 @@ async def prefill(request: web.Request) -> web.StreamResponse:
                 f"fingerprint {req.fingerprint!r} != this node's {state.spec.fingerprint!r}"
             )
         check_request(state.spec, len(req.token_ids), 1)
+        check_token_ids(state.spec, req.token_ids)
     except IncompatiblePeer as exc:
         return error(409, "incompatible", str(exc))
     except PromptTooLong as exc:
         return error(413, "too_long", str(exc))
     except (ValueError, TypeError, ExoSplitError) as exc:
         return error(400, "bad_request", str(exc))
-    need = prefill_kv_bytes(state.spec, state.backend.dtype, req)
+    limits = state.limits
+    streams_kv = hasattr(state.backend, "stream_kv")
+    need = prefill_kv_bytes(
+        state.spec, state.backend.dtype, req, inflight=limits.max_inflight_bytes,
+        streams_kv=streams_kv,
+    )  # fmt: skip
     with Slot(state, "prefill"), state.ledger.hold(need, "this prefill"):
-        resp = web.StreamResponse(headers={"Content-Type": FRAMES_CONTENT_TYPE})
-        await resp.prepare(request)
+        resp, conn = await _admit(request, state)
+        if conn is None:
+            return resp  # nobody came for the stream
         hello = {
             "node_id": state.node_id,
             "spec": state.spec.to_dict(),
@@ -104,36 +116,56 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             "prefill_received": received,
         }
         progress = Progress()
-        write = Writer(resp, state.timeouts.idle)
         state.count("prefills")
-        work = stream_prefill(
-            state.backend,
-            state.executor,
-            req,
-            write,
-            hello=hello,
-            queue_depth=PREFILL_QUEUE_DEPTH,
-            put_timeout=state.timeouts.idle,
-            progress=progress,
-            die_after_layer=state.die_after_layer,
-        )
         try:
-            await while_connected(request, work, on_lost=progress.cancel)
-        except ConnectionError as exc:
+            await stream_prefill(
+                state.backend, state.executor, req, conn, hello=hello,
+                timeout=state.timeouts.idle, max_frame_bytes=limits.max_frame_bytes,
+                inflight_bytes=limits.max_inflight_bytes, progress=progress,
+                die_after_layer=state.die_after_layer,
+            )  # fmt: skip
+            conn.close()
+        except ClientGone as exc:
             state.count("prefills_cancelled")
             state.stats["last_cancel"] = progress.summary()
-            log.info("prefill %s: client went away (%s); cancelled", req.request_id, exc)
-            hang_up(request)
-            return resp
-        except Exception as exc:  # an in-band ERROR: the status is already 200
+            log.info("prefill %s: the receiver went away (%s); cancelled", req.request_id, exc)
+            conn.abort()
+        except Exception as exc:  # sent in-band as an ERROR frame
             log.warning("prefill %s failed: %s", req.request_id, exc)
-            try:
-                await write_frame(write, error_frame(exc))
-            except ConnectionError:
-                hang_up(request)
-                return resp
-        await finish(request, resp, state.timeouts.idle)
+            conn.close()
+        except BaseException:
+            conn.abort()
+            raise
+        finally:
+            peak = state.stats.get("inflight_bytes_peak", 0)
+            state.stats["inflight_bytes_peak"] = max(peak, progress.inflight_peak)
         return resp
+
+
+async def _admit(request: web.Request, state: NodeState) -> tuple[web.Response, Any]:
+    """Answer 200 with a one-time ticket, then wait (--connect-timeout) for the data
+    connection that redeems it: (the answer, the DataConnection or None if none came)."""
+    ticket = state.tickets.issue()
+    resp = web.json_response(
+        {"protocol": PROTOCOL_VERSION, "ticket": ticket.hex, "expires_s": state.timeouts.connect}
+    )
+    resp.force_close()  # this handler lives on: its connection must not carry another request
+    conn = None
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+        conn = await asyncio.wait_for(asyncio.shield(ticket.future), state.timeouts.connect)
+    except (asyncio.TimeoutError, TimeoutError, ConnectionError):
+        state.count("tickets_expired")
+        log.info("a prefill ticket expired: no data connection within %g s",
+                 state.timeouts.connect)  # fmt: skip
+    finally:
+        state.tickets.discard(ticket)
+        if not ticket.future.done():
+            ticket.future.cancel()
+        elif conn is None and not ticket.future.cancelled():
+            ticket.future.result().abort()  # redeemed just as we gave up
+    return resp, conn
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -152,7 +184,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return error(413, "too_long", str(exc))
     except (ValueError, ExoSplitError) as exc:
         return error(400, "bad_request", str(exc))
-    need = decode_kv_bytes(state.spec, state.backend.dtype, len(ids), req.max_tokens)
+    need = state.coordinator.kv_need(len(ids), req.max_tokens)
     with Slot(state, "generate"), state.ledger.hold(need, "this request"):
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)

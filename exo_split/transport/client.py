@@ -1,4 +1,5 @@
-"""HTTP client side of the protocol: node info, the prefill frame stream, the generate stream.
+"""Client side of the protocol: node info, the KV stream (POST /v1/prefill, then the data
+connection its ticket admits), the generate stream.
 
 Every wait has a timeout; every failure becomes a named error (PeerUnavailable, AuthError,
 IncompatiblePeer, ProtocolError) whose message says which peer and what happened.
@@ -12,13 +13,22 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from exo_split.errors import AuthError, ExoSplitError, IncompatiblePeer, PeerBusy, PeerUnavailable
+from exo_split import PROTOCOL_VERSION
+from exo_split.errors import (
+    AuthError,
+    ExoSplitError,
+    IncompatiblePeer,
+    PeerBusy,
+    PeerUnavailable,
+    ProtocolError,
+)
 from exo_split.transport import wire
-
-FRAMES_CONTENT_TYPE = "application/x-exo-split-frames"
+from exo_split.transport.datalink import TICKET, TICKET_MAGIC
+from exo_split.transport.decoder import Destination, Frame, FrameDecoder, ThreadCrc
 
 
 @dataclass(frozen=True)
@@ -121,24 +131,122 @@ async def fetch_info(
     return info
 
 
-async def prefill_frames(
+class _StreamProtocol(asyncio.BufferedProtocol):
+    """One KV stream, received straight into the decoder's buffers (the decode cache itself
+    when the decoder has a Destination): the kernel copies, nothing else does. Complete
+    frames, and how the stream ended, go to `events`. Frames that carry their own payload
+    (no Destination) pause reading while more than `max_pending` bytes of them wait."""
+
+    def __init__(self, decoder: FrameDecoder, ticket: bytes, max_pending: int):
+        self.decoder, self.ticket, self.max_pending = decoder, ticket, max_pending
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.transport: asyncio.Transport | None = None
+        self.last_data = asyncio.get_running_loop().time()
+        self.bytes = self.pending = 0
+        self.paused = self.ended = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, self.ticket))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.transport is not None
+        self.last_data = asyncio.get_running_loop().time()
+        self.bytes += nbytes
+        try:
+            frames = self.decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self._end(_Bad(exc))
+            self.transport.abort()
+            return
+        for frame in frames:
+            self.pending += len(frame.payload or b"") if frame.kind is wire.Kind.LAYER else 0
+            self.events.put_nowait(frame)
+        if self.pending > self.max_pending and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def taken(self, frame: Frame) -> None:
+        if frame.kind is wire.Kind.LAYER and frame.payload is not None:
+            self.pending -= len(frame.payload)
+        if self.paused and self.pending <= self.max_pending and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        try:
+            self.decoder.eof()
+            self._end(_Eof(None))
+        except ProtocolError as exc:
+            self._end(_Eof(exc))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(_Lost(exc))
+
+    def _end(self, item) -> None:
+        if not self.ended:
+            self.ended = True
+            self.events.put_nowait(item)
+
+
+@dataclass(frozen=True)
+class _Bad:  # the stream broke a rule
+    exc: ProtocolError
+
+
+@dataclass(frozen=True)
+class _Eof:  # the peer closed; exc: what was missing
+    exc: ProtocolError | None
+
+
+@dataclass(frozen=True)
+class _Lost:  # the connection failed (reset, ...)
+    exc: Exception | None
+
+
+def _ticket(answer: Any, peer: str) -> bytes:
+    ok = isinstance(answer, dict) and answer.get("protocol") == PROTOCOL_VERSION
+    value = answer.get("ticket") if ok else None
+    try:
+        ticket = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        ticket = b""
+    if len(ticket) != TICKET.size - 8:
+        raise ProtocolError(
+            f"{peer}: POST /v1/prefill answered 200 without a protocol {PROTOCOL_VERSION} "
+            f"ticket: got {str(answer)[:200]}"
+        )
+    return ticket
+
+
+async def kv_stream(
     session: aiohttp.ClientSession,
     base_url: str,
     token: str | None,
     body: dict,
     spec: wire.StreamSpec,
     timeouts: Timeouts,
-) -> AsyncIterator[wire.Frame]:
-    """POST /v1/prefill and yield each checked frame as it completes.
+    *,
+    dest: Destination | None = None,
+    max_pending: int = wire.DEFAULT_MAX_FRAME_BYTES,
+) -> AsyncIterator[Frame]:
+    """POST /v1/prefill, open the KV data connection its ticket admits, and yield each
+    checked frame (LAYER frames once their CRC matched) until END.
 
-    Ends after END; raises PeerUnavailable (died, stalled, refused; PeerBusy for a 503),
-    ProtocolError (garbage), IncompatiblePeer or AuthError, each within the timeouts: connect,
-    first_frame to HELLO, idle between reads, total to END. Closing the generator closes the
-    connection, which is how the prefill node learns to stop.
+    LAYER payloads land in `dest` (the decode cache) when given. Raises PeerUnavailable
+    (died, stalled, refused; PeerBusy for a 503), ProtocolError (garbage), IncompatiblePeer
+    or AuthError, each within the timeouts: connect (the POST and the data connection),
+    first_frame (POST sent -> HELLO), idle (the longest silence once bytes flow) and total
+    (POST sent -> END). Closing the generator closes the connection, which is how the
+    prefill node learns to stop.
     """
-    decoder = wire.FrameDecoder(spec)
-    start = asyncio.get_running_loop().time()
-    deadline = start + timeouts.total
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    hello_by, deadline = start + timeouts.first_frame, start + timeouts.total
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeouts.connect, sock_connect=timeouts.connect
     )
@@ -149,55 +257,79 @@ async def prefill_frames(
             ),
             timeout=timeouts.first_frame,
         )
+        try:
+            await _raise_for_status(resp, base_url)
+            wait = max(hello_by - loop.time(), 0.001)
+            answer = await asyncio.wait_for(resp.json(content_type=None), timeout=wait)
+        except ValueError as exc:
+            raise ProtocolError(f"{base_url}: POST /v1/prefill answered 200 with {exc}") from exc
+        finally:
+            resp.release()
+    crc = ThreadCrc()
+    proto = _StreamProtocol(FrameDecoder(spec, dest=dest, crc=crc), _ticket(answer, base_url),
+                            max_pending)  # fmt: skip
+    url = urlsplit(base_url)
     try:
-        await _raise_for_status(resp, base_url)
-        # HELLO is due first_frame after the request went out, headers included
-        wait = max(start + timeouts.first_frame - asyncio.get_running_loop().time(), 0.001)
-        n_frames = 0
-        while not decoder.finished:
-            left = deadline - asyncio.get_running_loop().time()
-            with _client_errors(base_url, "the KV stream"):
-                try:
-                    chunk = await asyncio.wait_for(resp.content.readany(), timeout=min(wait, left))
-                except (asyncio.TimeoutError, TimeoutError) as exc:
-                    if left <= wait:
-                        raise PeerUnavailable(
-                            f"{base_url} did not finish the prefill within {timeouts.total:g} s "
-                            f"(after {n_frames} frames)"
-                        ) from exc
-                    if n_frames == 0:
-                        raise PeerUnavailable(
-                            f"{base_url} stalled: no HELLO within {timeouts.first_frame:g} s"
-                        ) from exc
-                    raise PeerUnavailable(
-                        f"{base_url} stalled: no data for {wait:g} s after {n_frames} frames"
-                    ) from exc
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, OSError) as exc:
-                    raise PeerUnavailable(
-                        f"{base_url} closed the stream: connection lost after {n_frames} frames "
-                        f"({type(exc).__name__})"
-                    ) from exc
-            wait = timeouts.idle
-            if not chunk:
-                try:
-                    decoder.eof()
-                except wire.ProtocolError as exc:
-                    raise PeerUnavailable(f"{base_url} closed the stream: {exc}") from exc
-                return
-            try:
-                frames = decoder.feed(chunk)
-            except wire.ProtocolError as exc:
-                raise wire.ProtocolError(f"{base_url}: {exc}") from exc
-            for frame in frames:
-                n_frames += 1
-                if frame.kind is wire.Kind.ERROR:
-                    obj = frame.obj or {}
-                    raise PeerUnavailable(
-                        f"{base_url} failed the prefill: {obj.get('code')}: {obj.get('message')}"
-                    )
-                yield frame
+        with _client_errors(base_url, "the KV data connection"):
+            await asyncio.wait_for(
+                loop.create_connection(lambda: proto, url.hostname, url.port), timeouts.connect
+            )
+        async for frame in _frames(proto, base_url, timeouts, hello_by, deadline):
+            yield frame
     finally:
-        resp.close()
+        if proto.transport is not None:
+            proto.transport.abort()
+        crc.close()
+
+
+async def _frames(proto: _StreamProtocol, peer: str, timeouts: Timeouts, hello_by: float,
+                  deadline: float) -> AsyncIterator[Frame]:  # fmt: skip
+    loop, n = asyncio.get_running_loop(), 0
+    while True:
+        limits = [(deadline, "total")]
+        limits.append((hello_by, "hello") if n == 0 else (proto.last_data + timeouts.idle, "idle"))
+        until, why = min(limits)
+        try:
+            item = await asyncio.wait_for(proto.events.get(), max(until - loop.time(), 0))
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            if loop.time() < until:  # data came meanwhile: the idle clock moved
+                continue
+            if why == "total":
+                raise PeerUnavailable(
+                    f"{peer} did not finish the prefill within {timeouts.total:g} s "
+                    f"(after {n} frames)"
+                ) from exc
+            if why == "hello":
+                raise PeerUnavailable(
+                    f"{peer} stalled: no HELLO within {timeouts.first_frame:g} s"
+                ) from exc
+            raise PeerUnavailable(
+                f"{peer} stalled: no data for {timeouts.idle:g} s after {n} frames"
+            ) from exc
+        if isinstance(item, _Bad):
+            raise ProtocolError(f"{peer}: {item.exc}") from item.exc
+        if isinstance(item, _Eof):
+            raise PeerUnavailable(f"{peer} closed the stream: {item.exc or 'EOF after END'}")
+        if isinstance(item, _Lost):
+            why = type(item.exc).__name__ if item.exc else "closed"
+            raise PeerUnavailable(
+                f"{peer} closed the stream: connection lost after {n} frames ({why})"
+            )
+        n += 1
+        proto.taken(item)
+        if item.crc is not None:
+            try:
+                item.verify(await asyncio.wrap_future(item.crc))
+            except ProtocolError as exc:
+                raise ProtocolError(f"{peer}: {exc}") from exc
+        if item.kind is wire.Kind.ERROR:
+            obj = item.obj or {}
+            raise PeerUnavailable(
+                f"{peer} failed the prefill: {obj.get('code')}: {obj.get('message')}"
+            )
+        yield item
+        if item.kind is wire.Kind.END:
+            return
 
 
 async def generate_events(

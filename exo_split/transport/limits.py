@@ -14,9 +14,9 @@ from exo_split.errors import ExoSplitError
 from exo_split.kv import itemsize
 from exo_split.spec import ModelSpec
 from exo_split.transport.messages import PrefillRequest
+from exo_split.transport.wire import DEFAULT_MAX_FRAME_BYTES
 
-PREFILL_QUEUE_DEPTH = 4  # computed pieces waiting for the sender (node/prefill.py)
-PIECES_IN_FLIGHT = 4  # received pieces waiting for injection; then the reader stops reading
+DEFAULT_INFLIGHT_BYTES = 64 << 20
 
 
 class Refused(ExoSplitError):
@@ -35,6 +35,8 @@ class Limits:
     max_concurrent: int = 8  # requests of each kind in progress (running or queued)
     max_kv_bytes: int = 8 * 2**30  # KV held for requests in progress, both kinds together
     retry_after_s: int = 1
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # the largest LAYER frame sent or accepted
+    max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES  # KV handed to the sender, not yet sent
 
 
 class KVLedger:
@@ -84,18 +86,25 @@ def kv_bytes(spec: ModelSpec, tokens: int, dtype: str, layers: int | None = None
     return 2 * n_layers * spec.n_kv_heads * spec.head_dim * tokens * itemsize(dtype)
 
 
-def prefill_kv_bytes(spec: ModelSpec, backend_dtype: str, req: PrefillRequest) -> int:
-    """What a prefill holds at most: its own cache of the whole prompt, plus the pieces
-    waiting for the sender (all of them without overlap)."""
+def prefill_kv_bytes(
+    spec: ModelSpec, backend_dtype: str, req: PrefillRequest, *, inflight: int, streams_kv: bool
+) -> int:
+    """What a prefill holds at most: its own cache of the whole prompt, plus the KV handed to
+    the sender and not yet on the wire (`inflight`, plus the one piece that may exceed it).
+    Without overlap and a backend that cannot stream its cache (`streams_kv`), the whole
+    KV is exported first."""
     n, wire_dtype = len(req.token_ids), req.dtype or backend_dtype
-    if not req.overlap:
-        return kv_bytes(spec, n, backend_dtype) + kv_bytes(spec, n, wire_dtype)
-    piece = kv_bytes(spec, min(req.chunk or n, n), wire_dtype, layers=1)
-    return kv_bytes(spec, n, backend_dtype) + (PREFILL_QUEUE_DEPTH + 1) * piece
+    cache, all_kv = kv_bytes(spec, n, backend_dtype), kv_bytes(spec, n, wire_dtype)
+    if not req.overlap and not streams_kv:
+        return cache + all_kv
+    piece = kv_bytes(spec, min(req.chunk or n, n) if req.overlap else n, wire_dtype, layers=1)
+    return cache + min(all_kv, inflight + piece)
 
 
-def decode_kv_bytes(spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int) -> int:
-    """What a generate holds at most: the cache at full capacity plus received pieces
-    waiting to be injected."""
-    piece = kv_bytes(spec, prompt_len, dtype, layers=1)
-    return kv_bytes(spec, prompt_len + max_tokens, dtype) + (PIECES_IN_FLIGHT + 1) * piece
+def decode_kv_bytes(
+    spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int, *, staging: int = 0
+) -> int:
+    """What a generate holds at most: the cache at full capacity (received KV lands in it),
+    plus `staging`: received frames waiting to be copied in, for a backend that cannot hand
+    out its cache's memory (0 when frames land in the cache itself)."""
+    return kv_bytes(spec, prompt_len + max_tokens, dtype) + staging

@@ -30,6 +30,7 @@ class PrefillRequest:
     overlap: bool = True
     chunk: int | None = None
     dtype: str | None = None  # the KV dtype the decode side wants on the wire
+    max_frame_bytes: int | None = None  # the largest LAYER payload the decode side accepts
 
     def to_json(self) -> dict:
         return {
@@ -42,6 +43,7 @@ class PrefillRequest:
             "overlap": self.overlap,
             "chunk": self.chunk,
             "dtype": self.dtype,
+            "max_frame_bytes": self.max_frame_bytes,
         }
 
     @classmethod
@@ -70,7 +72,11 @@ class PrefillRequest:
         dtype = body.get("dtype")
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        frame = body.get("max_frame_bytes")
+        if frame is not None and (not isinstance(frame, int) or frame < 1):
+            raise ValueError(f"max_frame_bytes must be a positive integer, got {frame!r}")
         return cls(
+            max_frame_bytes=frame,
             dtype=dtype,
             request_id=str(body.get("request_id", ""))[:64],
             token_ids=tuple(ids),

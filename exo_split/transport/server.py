@@ -21,6 +21,7 @@ from aiohttp import web
 
 from exo_split.transport.auth import bearer, token_matches
 from exo_split.transport.client import Timeouts
+from exo_split.transport.datalink import Tickets
 from exo_split.transport.limits import KVLedger, Limits, Refused
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ServerState:
     timeouts: Timeouts = field(default_factory=Timeouts)
     busy: dict = field(default_factory=dict)  # requests in progress, by kind
     stats: dict = field(default_factory=dict)  # counters shown in /v1/info
+    tickets: Tickets = field(default_factory=Tickets)  # admitted prefills' data connections
     ledger: KVLedger = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,335 @@
+"""The KV data connection, server side: one TCP port serves both HTTP and raw KV streams.
+
+The decode node's `POST /v1/prefill` (authenticated, checked) is answered with a one-time
+ticket; the decode node then opens a second TCP connection to the same port and sends
+`TICKET_MAGIC`, the protocol version and the ticket (40 bytes). `Sniffer` reads the first
+bytes of every accepted connection: anything else is handed to aiohttp, unchanged, so users
+open no second port and discovery is unchanged. A redeemed ticket hands the connection to
+the waiting prefill handler, whose `FrameSender` writes the frames from two threads (a CRC
+stage and a sendmsg stage) so neither the event loop nor the compute thread copies a byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from exo_split import PROTOCOL_VERSION
+from exo_split.transport.wire import Buffer, WireDtype, layer_frame
+
+log = logging.getLogger(__name__)
+clock = time.perf_counter
+
+TICKET_MAGIC = b"EXOD"
+TICKET = struct.Struct("<4sI32s")  # magic, protocol version, the one-time ticket
+IOV_MAX = 512  # buffers per sendmsg (Linux and macOS allow 1024)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted prefill's claim on a data connection: single use, short-lived."""
+
+    value: bytes = field(repr=False)
+    future: asyncio.Future = field(repr=False)
+
+    @property
+    def hex(self) -> str:
+        return self.value.hex()
+
+
+class Tickets:
+    """The tickets a node has issued and not yet seen redeemed. Looked up by a hash of the
+    ticket and confirmed in constant time, so a guess learns nothing from timing."""
+
+    def __init__(self) -> None:
+        self._open: dict[bytes, Ticket] = {}
+
+    def issue(self) -> Ticket:
+        value = secrets.token_bytes(32)
+        ticket = Ticket(value, asyncio.get_running_loop().create_future())
+        self._open[hashlib.sha256(value).digest()] = ticket
+        return ticket
+
+    def redeem(self, value: bytes) -> Ticket | None:
+        key = hashlib.sha256(value).digest()
+        ticket = self._open.get(key)
+        if ticket is None or not hmac.compare_digest(ticket.value, value):
+            return None
+        del self._open[key]
+        return ticket
+
+    def discard(self, ticket: Ticket) -> None:
+        self._open.pop(hashlib.sha256(ticket.value).digest(), None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+class DataConnection:
+    """A redeemed data connection, as the prefill handler sees it. The event loop keeps
+    reading it only to notice the receiver leaving (`lost`); the sender writes through
+    `socket()`, a duplicate of the descriptor for a blocking thread."""
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport = transport
+        self.lost = asyncio.Event()
+        self.why = ""
+        self.on_lost: list[Callable[[], None]] = []
+
+    def socket(self, timeout: float) -> socket.socket:
+        raw = self.transport.get_extra_info("socket")
+        sock = socket.socket(fileno=os.dup(raw.fileno()))
+        sock.settimeout(timeout)
+        return sock
+
+    def peer_left(self, why: str) -> None:
+        if not self.lost.is_set():
+            self.why = why
+            self.lost.set()
+            for callback in self.on_lost:
+                callback()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+
+class Sniffer(asyncio.BufferedProtocol):
+    """The first protocol of every accepted connection. It reads at most 4 bytes to tell a
+    data connection (TICKET_MAGIC) from HTTP; HTTP goes to aiohttp's protocol with those
+    bytes, a data connection reads its ticket and goes to the handler waiting for it."""
+
+    def __init__(self, http: Callable[[], asyncio.Protocol], tickets: Tickets, timeout: float):
+        self.http, self.tickets, self.timeout = http, tickets, timeout
+        self.transport: asyncio.Transport | None = None
+        self.conn: DataConnection | None = None
+        self._buf = bytearray(TICKET.size)
+        self._n = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, transport.abort)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.conn is not None:  # the receiver sends nothing after its ticket
+            return memoryview(self._buf)
+        want = len(TICKET_MAGIC) if self._n < len(TICKET_MAGIC) else TICKET.size
+        return memoryview(self._buf)[self._n : want]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.transport is not None
+        if self.conn is not None:
+            self.conn.peer_left("the receiver sent data on the KV stream")
+            self.transport.abort()
+            return
+        self._n += nbytes
+        head = bytes(self._buf[: min(self._n, len(TICKET_MAGIC))])
+        if not TICKET_MAGIC.startswith(head):
+            self._to_http()
+        elif self._n == TICKET.size:
+            self._redeem()
+
+    def _to_http(self) -> None:
+        assert self.transport is not None
+        self._stop_timer()
+        proto, transport = self.http(), self.transport
+        self.transport = None  # aiohttp's from here on
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        proto.data_received(bytes(self._buf[: self._n]))
+
+    def _redeem(self) -> None:
+        assert self.transport is not None
+        self._stop_timer()
+        _, version, value = TICKET.unpack(self._buf)
+        ticket = self.tickets.redeem(value) if version == PROTOCOL_VERSION else None
+        if ticket is None or ticket.future.done():
+            log.info("refused a data connection: %s", "unknown or used ticket"
+                     if version == PROTOCOL_VERSION else f"protocol version {version}")  # fmt: skip
+            self.transport.abort()
+            return
+        self.conn = DataConnection(self.transport)
+        ticket.future.set_result(self.conn)
+
+    def eof_received(self) -> bool:
+        if self.conn is not None:
+            self.conn.peer_left("the receiver closed the KV stream")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        if self.conn is not None:
+            self.conn.peer_left(f"the KV stream was lost ({exc or 'closed'})")
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class Listener:
+    """An aiohttp app and the KV data connections, served on one TCP port."""
+
+    def __init__(self, app: web.Application, tickets: Tickets, *, sniff_timeout: float = 30.0,
+                 shutdown_timeout: float = 5.0):  # fmt: skip
+        self.runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
+        self.tickets, self.sniff_timeout = tickets, sniff_timeout
+        self.server: asyncio.Server | None = None
+        self._sniffers: weakref.WeakSet[Sniffer] = weakref.WeakSet()
+
+    def _sniffer(self, http: Callable[[], asyncio.Protocol]) -> Sniffer:
+        sniffer = Sniffer(http, self.tickets, self.sniff_timeout)
+        self._sniffers.add(sniffer)
+        return sniffer
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the port (useful with port 0)."""
+        await self.runner.setup()
+        http = self.runner.server
+        assert http is not None
+        self.server = await asyncio.get_running_loop().create_server(
+            lambda: self._sniffer(http), host, port,
+            reuse_address=True, backlog=128,
+        )  # fmt: skip
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        await self.runner.cleanup()  # ends HTTP connections; handlers end their KV streams
+        for sniffer in list(self._sniffers):  # connections that never said what they were
+            if sniffer.conn is None and sniffer.transport is not None:
+                sniffer.transport.abort()
+
+
+# ---- sending -----------------------------------------------------------------------------
+
+Done = Callable[[float, float, bool], None]  # (send_start, sent, ok): a LAYER frame's fate
+
+
+class FrameSender:
+    """Writes frames in order to a data connection from two threads: `kv-crc` computes each
+    LAYER frame's CRC (running at most `ahead` frames ahead of the wire), `kv-send` writes
+    header + payload blocks with sendmsg. `put` and `put_layer` may be called from any one
+    thread at a time and never wait for the network.
+
+    A send that fails or times out (the receiver left or stopped reading for `timeout`)
+    calls `on_error` once; every frame not yet sent is then dropped, its `done` called with
+    ok=False so its memory can go."""
+
+    def __init__(self, sock: socket.socket, *, on_error: Callable[[BaseException], None],
+                 ahead: int = 2):  # fmt: skip
+        self.sock, self.on_error = sock, on_error
+        self.error: BaseException | None = None
+        self.bytes_sent = 0
+        self._crc_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_q: queue.Queue = queue.Queue(maxsize=ahead)
+        self._threads = [
+            threading.Thread(target=self._crc_stage, name="kv-crc-tx", daemon=True),
+            threading.Thread(target=self._send_stage, name="kv-send", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def put(self, parts: list[Buffer]) -> None:
+        """A complete frame (header and payload), e.g. wire.encode_hello(...)."""
+        self._crc_q.put(("frame", parts, None))
+
+    def put_layer(self, layer: int, token_start: int, n_tokens: int, dtype: WireDtype,
+                  blocks: Sequence[memoryview], done: Done | None = None) -> None:  # fmt: skip
+        """A LAYER frame from `blocks` (views, not copies: keep them unchanged until `done`)."""
+        self._crc_q.put(("layer", (layer, token_start, n_tokens, dtype, blocks), done))
+
+    async def flush(self) -> None:
+        """Wait until every frame put so far is on the wire; raise the send error if any."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._crc_q.put(("flush", fut, None))
+        await asyncio.wrap_future(fut)
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop both threads (after the frames put so far, unless `abort`) and close this
+        side's descriptor."""
+        if abort:
+            self._fail(ConnectionAbortedError("the KV stream was closed"), notify=False)
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sendmsg blocked on the peer
+        self._crc_q.put(("stop", None, None))
+        for t in self._threads:
+            t.join(timeout=30)
+        self.sock.close()
+
+    def _crc_stage(self) -> None:
+        while True:
+            op, arg, done = item = self._crc_q.get()
+            if op == "layer":
+                item = ("frame", None, done)  # dropped if the stream has failed
+                if self.error is None:
+                    try:
+                        item = ("frame", layer_frame(*arg), done)
+                    except Exception as exc:  # a frame that cannot be encoded fails the stream
+                        self._fail(exc)
+            self._send_q.put(item)
+            if op == "stop":
+                return
+
+    def _send_stage(self) -> None:
+        while True:
+            op, arg, done = self._send_q.get()
+            if op == "stop":
+                return
+            if op == "flush":
+                if self.error is None:
+                    arg.set_result(None)
+                else:
+                    arg.set_exception(self.error)
+                continue
+            start = clock()
+            ok = False
+            if arg is not None and self.error is None:
+                try:
+                    self._sendmsg_all(arg)
+                    ok = True
+                except OSError as exc:  # TimeoutError, BrokenPipeError, ConnectionResetError
+                    self._fail(exc)
+            if done is not None:
+                try:
+                    done(start, clock(), ok)
+                except Exception:  # bookkeeping must not stop the sender
+                    log.exception("a sent frame's callback failed")
+
+    def _sendmsg_all(self, parts: list[Buffer]) -> None:
+        bufs = [memoryview(p).cast("B") for p in parts if len(p)]
+        while bufs:
+            n = self.sock.sendmsg(bufs[:IOV_MAX])
+            self.bytes_sent += n
+            while n:
+                if n >= len(bufs[0]):
+                    n -= len(bufs.pop(0))
+                else:
+                    bufs[0] = bufs[0][n:]
+                    n = 0
+
+    def _fail(self, exc: BaseException, notify: bool = True) -> None:
+        if self.error is None:
+            self.error = exc
+            if notify:
+                self.on_error(exc)

@@ -1,0 +1,371 @@
+"""The KV data connection end to end in this process, with a fake backend where a real one
+would be slow: one port for HTTP and KV streams, tickets, the prefill node's bytes in flight,
+pieces cut into bounded frames (and assembled across parts), an END of 8,192 pieces, and the
+receiver writing straight into a cache-shaped destination.
+
+The real backends and node processes are in test_reliability*.py, test_node.py, test_load.py
+and test_memory.py; these tests pin the transport's own rules with nothing else in the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import numpy as np
+import pytest
+from nodes import TOKEN
+
+from exo_split import PROTOCOL_VERSION
+from exo_split.backends.base import Cancelled, Prefilled
+from exo_split.errors import ProtocolError
+from exo_split.kv import LayerKV
+from exo_split.node.prefill import Progress, stream_prefill
+from exo_split.node.routes import NodeState, make_app
+from exo_split.spec import ModelSpec
+from exo_split.transport import wire
+from exo_split.transport.client import Timeouts, kv_stream
+from exo_split.transport.datalink import TICKET, TICKET_MAGIC, DataConnection, Listener
+from exo_split.transport.limits import Limits
+from exo_split.transport.messages import PrefillRequest
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUTS = Timeouts(connect=2.0, first_frame=10.0, idle=5.0, total=60.0)
+
+
+class SourceBackend:
+    """A prefill backend without a model: per (chunk, layer) piece, deterministic KV made
+    from its position, handed over in `parts` consecutive token ranges (a staging ring
+    smaller than a piece does that). Counts every `release`."""
+
+    name, device = "fake", "cpu"
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, parts: int = 1,
+                 dtype: str = "float16", delay: float = 0.0):  # fmt: skip
+        self.spec = ModelSpec("llama", n_layers, n_kv_heads, n_kv_heads, head_dim, 64, 128, 512,
+                              1e-5, 1e4, max_position_embeddings=65_536)  # fmt: skip
+        self.dtype, self.parts, self.delay = dtype, parts, delay
+        self.released = 0
+        self.handed = 0
+
+    @staticmethod
+    def kv(layer: int, start: int, n: int, heads: int, dim: int) -> np.ndarray:
+        pos = np.arange(start, start + n, dtype=np.float32)[None, :, None]
+        values = layer * 1000 + pos + np.arange(heads)[:, None, None] * 0.25
+        return np.broadcast_to(values + np.arange(dim) * 0.01, (heads, n, dim)).astype(np.float16)
+
+    def _release(self) -> None:
+        self.released += 1
+
+    def prefill(self, token_ids, *, chunk=None, on_layer=None, should_stop=None, capacity=None):
+        n, h, d = len(token_ids), self.spec.n_kv_heads, self.spec.head_dim
+        for start, size in zip(np.cumsum((0, *wire.chunk_sizes(n, chunk)))[:-1],
+                               wire.chunk_sizes(n, chunk), strict=True):  # fmt: skip
+            for layer in range(self.spec.n_layers):
+                if should_stop is not None and should_stop():
+                    raise Cancelled(f"cancelled at layer {layer}")
+                time.sleep(self.delay)
+                bounds = np.linspace(start, start + size, self.parts + 1).astype(int)
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                    if b > a and on_layer is not None:
+                        k = self.kv(layer, int(a), int(b - a), h, d)
+                        self.handed += 1
+                        on_layer(LayerKV(layer, int(a), k, -k, self.dtype,
+                                         release=self._release))  # fmt: skip
+        logits = np.zeros(self.spec.vocab_size, np.float32)
+        logits[7] = 1.0
+        return Prefilled(cache=None, logits=logits)
+
+    def export(self, cache):
+        raise NotImplementedError
+
+
+class Cache:
+    """The receiving side's destination: per layer K and V [heads, capacity, dims]."""
+
+    def __init__(self, spec: ModelSpec, capacity: int):
+        shape = (spec.n_kv_heads, capacity, spec.head_dim)
+        self.k = [np.zeros(shape, np.float16) for _ in range(spec.n_layers)]
+        self.v = [np.zeros(shape, np.float16) for _ in range(spec.n_layers)]
+
+    def blocks(self, layer, start, n):
+        return [memoryview(a[layer][h, start : start + n]).cast("B")
+                for a in (self.k, self.v) for h in range(a[layer].shape[0])]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def prefill_node(backend, limits: Limits | None = None, timeouts: Timeouts = TIMEOUTS):
+    executor = ThreadPoolExecutor(1)
+    state = NodeState(
+        node_id="fake", spec=backend.spec, backend=backend, executor=executor, token=TOKEN,
+        limits=limits or Limits(), coordinator=None,
+        info={"fingerprint": backend.spec.fingerprint}, timeouts=timeouts,
+    )  # fmt: skip
+    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0)
+    port = await listener.start("127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        await listener.stop()
+        executor.shutdown()
+
+
+def body(spec: ModelSpec, n: int, **extra) -> dict:
+    ids = tuple(3 + i % 500 for i in range(n))
+    return PrefillRequest(request_id="t", token_ids=ids, spec=spec.to_dict(),
+                          fingerprint=spec.fingerprint, **extra).to_json()  # fmt: skip
+
+
+async def pull(url: str, spec: ModelSpec, n: int, dest, max_frame_bytes: int, **extra):
+    stream_spec = wire.StreamSpec(spec.n_layers, spec.n_kv_heads, spec.head_dim,
+                                  wire.WireDtype.float16, n, max_frame_bytes)  # fmt: skip
+    frames = []
+    async with aiohttp.ClientSession() as session:
+        req = body(spec, n, max_frame_bytes=max_frame_bytes, **extra)
+        async for frame in kv_stream(session, url, TOKEN, req, stream_spec, TIMEOUTS, dest=dest):
+            frames.append(frame)
+    return frames
+
+
+def check_cache(cache: Cache, spec: ModelSpec, n: int) -> None:
+    for layer in range(spec.n_layers):
+        want = SourceBackend.kv(layer, 0, n, spec.n_kv_heads, spec.head_dim)
+        assert np.array_equal(cache.k[layer][:, :n], want)
+        assert np.array_equal(cache.v[layer][:, :n], -want)
+
+
+# ---- one port: HTTP and KV streams ----------------------------------------------------------
+
+
+def test_one_port_serves_http_and_refuses_unknown_tickets():
+    backend = SourceBackend(2, 1, 4)
+
+    async def run():
+        async with prefill_node(backend) as (url, state), aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/v1/health") as resp:  # HTTP, sniffed and handed over
+                assert resp.status == 200 and await resp.json() == {"ok": True}
+            host, port = url.removeprefix("http://").split(":")
+            outcomes = []
+            for hello in (
+                TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, b"\1" * 32),  # never issued
+                TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION + 1, b"\1" * 32),  # wrong version
+            ):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                for i in range(0, len(hello), 7):  # in pieces: the sniffer must not mind
+                    writer.write(hello[i : i + 7])
+                    await writer.drain()
+                outcomes.append(await asyncio.wait_for(reader.read(), 5))
+                writer.close()
+            async with s.get(f"{url}/v1/health") as resp:  # still serving
+                assert resp.status == 200
+            return outcomes
+
+    assert asyncio.run(run()) == [b"", b""]  # closed without a byte: nothing to learn
+
+
+def test_an_unredeemed_ticket_expires_and_frees_the_request():
+    backend = SourceBackend(2, 1, 4)
+    timeouts = Timeouts(connect=0.3, first_frame=5.0, idle=5.0, total=10.0)
+
+    async def run():
+        async with (
+            prefill_node(backend, timeouts=timeouts) as (url, state),
+            aiohttp.ClientSession() as s,
+        ):
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with s.post(f"{url}/v1/prefill", json=body(backend.spec, 16),
+                              headers=headers) as resp:  # fmt: skip
+                answer = await resp.json()
+            assert resp.status == 200 and answer["protocol"] == PROTOCOL_VERSION
+            assert state.ledger.held > 0 and state.busy["prefill"] == 1
+            for _ in range(100):
+                if state.stats.get("tickets_expired"):
+                    break
+                await asyncio.sleep(0.02)
+            # the ticket cannot be used any more
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            ticket = bytes.fromhex(answer["ticket"])
+            writer.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, ticket))
+            late = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return dict(state.stats), state.ledger.held, state.busy["prefill"], late
+
+    stats, held, busy, late = asyncio.run(run())
+    assert stats == {"tickets_expired": 1} and held == 0 and busy == 0 and late == b""
+    assert backend.handed == 0  # no work was done
+
+
+# ---- frames: bounded, assembled across parts, into the destination --------------------------
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pieces_travel_as_bounded_frames_straight_into_the_cache(parts, overlap):
+    """8 KV heads x 16 dims x float16 = 512 B a position; frames of at most 1,536 B = 3
+    positions; chunks of 8 (or whole layers without overlap); pieces handed over in 3 uneven
+    parts: every frame is the plan's, and the cache holds exactly the source's KV."""
+    backend = SourceBackend(3, 8, 16, parts=parts)
+    n, frame_bytes = 20, 3 * 512
+    if not overlap:
+        backend.export = lambda cache: [  # the whole layers, after the prefill
+            LayerKV(layer, 0, k := SourceBackend.kv(layer, 0, n, 8, 16), -k, "float16")
+            for layer in range(3)
+        ]
+
+    async def run():
+        async with prefill_node(backend) as (url, state):
+            cache = Cache(backend.spec, 32)
+            frames = await pull(url, backend.spec, n, cache, frame_bytes, chunk=8,
+                                overlap=overlap)  # fmt: skip
+            return cache, frames, state
+
+    cache, frames, state = asyncio.run(run())
+    check_cache(cache, backend.spec, n)
+    layers = [f for f in frames if f.kind is wire.Kind.LAYER]
+    chunks = wire.chunk_sizes(n, 8) if overlap else (n,)
+    plan = wire.Plan(chunks, 3, 3)
+    assert [(f.header.layer, f.header.token_start, f.header.n_tokens) for f in layers] == [
+        (layer, s, m) for _, layer, s, m in plan.frames()
+    ]
+    assert all(f.header.payload_len <= frame_bytes for f in layers)
+    assert sum(f.last for f in layers) == plan.n_pieces
+    assert backend.released == backend.handed > 0  # sequential: right after the stamp
+    assert state.ledger.held == 0 and state.stats["prefills"] == 1
+
+
+def test_end_with_8192_pieces_arrives_and_is_accepted():
+    """32 layers x 32,768 tokens in chunks of 128: 8,192 pieces (one KV head of 2 dims, so
+    the KV itself is small). In protocol 1 END's JSON outgrew its 1 MiB cap here, after all
+    the KV had been sent."""
+    backend = SourceBackend(32, 1, 2)
+    n = 32_768
+
+    async def run():
+        async with prefill_node(backend, Limits(max_prompt_tokens=n)) as (url, _):
+            cache = Cache(backend.spec, n)
+            return cache, await pull(url, backend.spec, n, cache, 1 << 20, chunk=128)
+
+    cache, frames = asyncio.run(run())
+    end = frames[-1]
+    assert end.kind is wire.Kind.END
+    stamps = wire.parse_end(end.obj, 8192)
+    assert all(len(v) == 8192 for v in stamps.values())
+    assert all(a <= b for a, b in zip(stamps["send_start"], stamps["sent"], strict=True))
+    assert end.header.payload_len < wire.MAX_JSON_PAYLOAD
+    check_cache(cache, backend.spec, n)
+
+
+# ---- the prefill node's memory: bytes in flight ---------------------------------------------
+
+
+class _Watch(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.conn: DataConnection | None = None
+
+    def eof_received(self) -> bool:
+        if self.conn is not None:
+            self.conn.peer_left("closed")
+        return False
+
+
+def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow():
+    """16 pieces of 64 KiB computed at once, a receiver reading 64 KiB every 10 ms, an
+    in-flight limit of 128 KiB: the prefill waits for the wire instead of piling up pieces,
+    and every piece is released once its frames are sent."""
+    backend = SourceBackend(4, 8, 32, dtype="float16")  # 1 KiB a position
+    n, limit, piece = 256, 128 << 10, 64 << 10  # chunks of 64: 64 KiB a piece
+    got = bytearray()
+
+    def slow_reader(sock: socket.socket) -> None:
+        sock.settimeout(10)
+        while chunk := sock.recv(64 << 10):
+            got.extend(chunk)
+            time.sleep(0.01)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        reader = threading.Thread(target=slow_reader, args=(theirs,))
+        reader.start()
+        watch = _Watch()
+        transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
+        conn = watch.conn = DataConnection(transport)
+        progress = Progress()
+        req = PrefillRequest(request_id="t", token_ids=tuple(range(n)), chunk=64)
+        with ThreadPoolExecutor(1) as executor:
+            await stream_prefill(backend, executor, req, conn, hello={}, timeout=5.0,
+                                 inflight_bytes=limit, progress=progress)  # fmt: skip
+        conn.close()
+        await asyncio.to_thread(reader.join, 10)
+        return progress
+
+    progress = asyncio.run(run())
+    assert backend.handed == 16 and backend.released == 16
+    assert piece <= progress.inflight_peak <= limit + piece, progress.inflight_peak
+    assert progress.sent == 16
+    assert len(got) > 16 * piece  # everything went, frames and all
+
+
+def test_a_receiver_that_leaves_stops_the_prefill_and_frees_every_piece():
+    backend = SourceBackend(8, 8, 32, delay=0.02)
+    n = 512
+
+    async def run():
+        async with prefill_node(backend) as (url, state):
+            spec = wire.StreamSpec(8, 8, 32, wire.WireDtype.float16, n)
+            async with aiohttp.ClientSession() as session:
+                stream = kv_stream(session, url, TOKEN, body(backend.spec, n, chunk=64), spec,
+                                   TIMEOUTS)  # fmt: skip
+                async with contextlib.aclosing(stream):
+                    async for frame in stream:
+                        if frame.kind is wire.Kind.LAYER and frame.header.layer == 2:
+                            break  # the decode node goes away
+            for _ in range(200):
+                if state.stats.get("prefills_cancelled"):
+                    break
+                await asyncio.sleep(0.02)
+            return dict(state.stats), state.ledger.held
+
+    stats, held = asyncio.run(run())
+    assert stats["prefills_cancelled"] == 1 and held == 0
+    cancel = stats["last_cancel"]
+    assert cancel["pieces_computed"] - cancel["pieces_at_cancel"] <= 1
+    assert cancel["pieces_computed"] < cancel["pieces_total"]
+    assert backend.released == backend.handed  # nothing stranded
+
+
+def test_a_peer_that_answers_the_data_connection_with_http_is_refused():
+    """A plain HTTP server (say, a node of protocol 1 behind a proxy) answers 200 with a
+    ticket-shaped body but reads the data connection as HTTP: its reply is not a frame."""
+
+    async def run():
+        async def answer(request):
+            return aiohttp.web.json_response({"protocol": PROTOCOL_VERSION, "ticket": "00" * 32})
+
+        app = aiohttp.web.Application()
+        app.router.add_post("/v1/prefill", answer)
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        spec = wire.StreamSpec(2, 1, 4, wire.WireDtype.float16, 4)
+        try:
+            async with aiohttp.ClientSession() as session:
+                stream = kv_stream(session, f"http://127.0.0.1:{port}", TOKEN, {}, spec, TIMEOUTS)
+                async for _ in stream:
+                    pass
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(ProtocolError, match="bad magic: expected b'EXOS', got b'HTTP'"):
+        asyncio.run(run())
