@@ -28,6 +28,13 @@ def itemsize(name: str) -> int:
     return storage_dtype(name).itemsize
 
 
+def chunk_sizes(n_tokens: int, chunk: int | None) -> tuple[int, ...]:
+    """How a prompt is split for prefill: `chunk` positions at a time (the last one shorter),
+    or all at once. A backend that splits otherwise says so with `prefill_chunks`."""
+    step = chunk or n_tokens
+    return tuple(min(step, n_tokens - s) for s in range(0, n_tokens, step))
+
+
 def bf16_words_from_float32(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 (round to nearest even), returned as uint16 words."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)

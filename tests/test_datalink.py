@@ -24,7 +24,7 @@ from nodes import TOKEN
 from exo_split import PROTOCOL_VERSION
 from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.errors import ProtocolError
-from exo_split.kv import LayerKV
+from exo_split.kv import LayerKV, chunk_sizes, storage_dtype
 from exo_split.node.prefill import Progress, stream_prefill
 from exo_split.node.routes import NodeState, make_app
 from exo_split.spec import ModelSpec
@@ -54,18 +54,18 @@ class SourceBackend:
         self.handed = 0
 
     @staticmethod
-    def kv(layer: int, start: int, n: int, heads: int, dim: int) -> np.ndarray:
+    def kv(layer: int, start: int, n: int, heads: int, dim: int, dtype=np.float16) -> np.ndarray:
         pos = np.arange(start, start + n, dtype=np.float32)[None, :, None]
         values = layer * 1000 + pos + np.arange(heads)[:, None, None] * 0.25
-        return np.broadcast_to(values + np.arange(dim) * 0.01, (heads, n, dim)).astype(np.float16)
+        return np.broadcast_to(values + np.arange(dim) * 0.01, (heads, n, dim)).astype(dtype)
 
     def _release(self) -> None:
         self.released += 1
 
     def prefill(self, token_ids, *, chunk=None, on_layer=None, should_stop=None, capacity=None):
         n, h, d = len(token_ids), self.spec.n_kv_heads, self.spec.head_dim
-        for start, size in zip(np.cumsum((0, *wire.chunk_sizes(n, chunk)))[:-1],
-                               wire.chunk_sizes(n, chunk), strict=True):  # fmt: skip
+        for start, size in zip(np.cumsum((0, *chunk_sizes(n, chunk)))[:-1],
+                               chunk_sizes(n, chunk), strict=True):  # fmt: skip
             for layer in range(self.spec.n_layers):
                 if should_stop is not None and should_stop():
                     raise Cancelled(f"cancelled at layer {layer}")
@@ -73,16 +73,17 @@ class SourceBackend:
                 bounds = np.linspace(start, start + size, self.parts + 1).astype(int)
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                     if b > a and on_layer is not None:
-                        k = self.kv(layer, int(a), int(b - a), h, d)
+                        k = self.kv(layer, int(a), int(b - a), h, d, storage_dtype(self.dtype))
                         self.handed += 1
                         on_layer(LayerKV(layer, int(a), k, -k, self.dtype,
                                          release=self._release))  # fmt: skip
         logits = np.zeros(self.spec.vocab_size, np.float32)
         logits[7] = 1.0
-        return Prefilled(cache=None, logits=logits)
+        return Prefilled(cache=n, logits=logits)  # the "cache": how many positions it holds
 
-    def export(self, cache):
-        raise NotImplementedError
+    def stream_kv(self, cache, on_layer, *, chunk=None, should_stop=None):
+        """After the prefill: each layer whole, in `parts` parts (as torch's staging does)."""
+        self.prefill(range(cache), chunk=None, on_layer=on_layer, should_stop=should_stop)
 
 
 class Cache:
@@ -212,11 +213,6 @@ def test_pieces_travel_as_bounded_frames_straight_into_the_cache(parts, overlap)
     parts: every frame is the plan's, and the cache holds exactly the source's KV."""
     backend = SourceBackend(3, 8, 16, parts=parts)
     n, frame_bytes = 20, 3 * 512
-    if not overlap:
-        backend.export = lambda cache: [  # the whole layers, after the prefill
-            LayerKV(layer, 0, k := SourceBackend.kv(layer, 0, n, 8, 16), -k, "float16")
-            for layer in range(3)
-        ]
 
     async def run():
         async with prefill_node(backend) as (url, state):
@@ -228,14 +224,14 @@ def test_pieces_travel_as_bounded_frames_straight_into_the_cache(parts, overlap)
     cache, frames, state = asyncio.run(run())
     check_cache(cache, backend.spec, n)
     layers = [f for f in frames if f.kind is wire.Kind.LAYER]
-    chunks = wire.chunk_sizes(n, 8) if overlap else (n,)
+    chunks = chunk_sizes(n, 8) if overlap else (n,)
     plan = wire.Plan(chunks, 3, 3)
     assert [(f.header.layer, f.header.token_start, f.header.n_tokens) for f in layers] == [
         (layer, s, m) for _, layer, s, m in plan.frames()
     ]
     assert all(f.header.payload_len <= frame_bytes for f in layers)
     assert sum(f.last for f in layers) == plan.n_pieces
-    assert backend.released == backend.handed > 0  # sequential: right after the stamp
+    assert backend.released == backend.handed > 0
     assert state.ledger.held == 0 and state.stats["prefills"] == 1
 
 
@@ -274,13 +270,17 @@ class _Watch(asyncio.Protocol):
         return False
 
 
-def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow():
-    """16 pieces of 64 KiB computed at once, a receiver reading 64 KiB every 10 ms, an
-    in-flight limit of 128 KiB: the prefill waits for the wire instead of piling up pieces,
-    and every piece is released once its frames are sent."""
-    backend = SourceBackend(4, 8, 32, dtype="float16")  # 1 KiB a position
-    n, limit, piece = 256, 128 << 10, 64 << 10  # chunks of 64: 64 KiB a piece
+@pytest.mark.parametrize("convert", [True, False], ids=["converted copies", "views"])
+def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert):
+    """16 pieces computed at once, a receiver reading 64 KiB every 10 ms, an in-flight limit of
+    128 KiB. Pieces converted to the wire dtype (float32 -> float16, 64 KiB each) are our
+    copies: the prefill waits for the wire instead of piling them up. Pieces that are the
+    backend's own memory (views of its cache) cost nothing more: the compute never waits.
+    Every piece is released once its frames are sent."""
+    backend = SourceBackend(4, 8, 32, dtype="float32" if convert else "float16")
+    n, limit, piece = 256, 128 << 10, 64 << 10  # chunks of 64 positions of 1 KiB (float16)
     got = bytearray()
+    computed: list[float] = []
 
     def slow_reader(sock: socket.socket) -> None:
         sock.settimeout(10)
@@ -300,19 +300,29 @@ def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow():
         transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
         conn = watch.conn = DataConnection(transport)
         progress = Progress()
-        req = PrefillRequest(request_id="t", token_ids=tuple(range(n)), chunk=64)
+        req = PrefillRequest(request_id="t", token_ids=tuple(range(n)), chunk=64,
+                             dtype="float16")  # fmt: skip
+        prefill = backend.prefill
+        backend.prefill = lambda *a, **kw: (prefill(*a, **kw), computed.append(time.monotonic()))[0]
+        t0 = time.monotonic()
         with ThreadPoolExecutor(1) as executor:
             await stream_prefill(backend, executor, req, conn, hello={}, timeout=5.0,
                                  inflight_bytes=limit, progress=progress)  # fmt: skip
+        sent = time.monotonic()
         conn.close()
         await asyncio.to_thread(reader.join, 10)
-        return progress
+        return progress, computed[0] - t0, sent - t0
 
-    progress = asyncio.run(run())
+    progress, compute_s, stream_s = asyncio.run(run())
     assert backend.handed == 16 and backend.released == 16
-    assert piece <= progress.inflight_peak <= limit + piece, progress.inflight_peak
     assert progress.sent == 16
     assert len(got) > 16 * piece  # everything went, frames and all
+    if convert:
+        assert piece <= progress.inflight_peak <= limit + piece, progress.inflight_peak
+        assert compute_s > stream_s / 2  # the compute waited for the wire
+    else:
+        assert progress.inflight_peak == 0
+        assert compute_s < stream_s / 4  # the compute never waited for the wire
 
 
 def test_a_receiver_that_leaves_stops_the_prefill_and_frees_every_piece():

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exo_split.errors import ProtocolError
+from exo_split.kv import chunk_sizes
 from exo_split.transport import decoder as decoder_module
 from exo_split.transport import wire
 from exo_split.transport.decoder import FrameDecoder
@@ -27,7 +28,7 @@ SPEC = wire.StreamSpec(
     n_layers=3, n_kv_heads=2, head_dim=8, dtype=wire.WireDtype.float16, prompt_len=10,
     max_frame_bytes=3 * 64,
 )  # fmt: skip
-PLAN = wire.Plan(wire.chunk_sizes(10, 4), 3, n_layers=3)
+PLAN = wire.Plan(chunk_sizes(10, 4), 3, n_layers=3)
 HELLO = {"spec": {"n_layers": 3}, "prefill_received": 1.0, "prefill_replied": 2.0,
          "plan": PLAN.to_json()}  # fmt: skip
 END = {"prefill_start": 1.0, "prefill_end": 2.0, "pieces": []}

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ExoSplitError, ProtocolError
+from exo_split.kv import chunk_sizes
 from exo_split.transport.decoder import Frame, FrameDecoder, ThreadCrc, decode_frame
 from exo_split.transport.wire import (
     HEADER,
@@ -27,7 +28,6 @@ from exo_split.transport.wire import (
     Plan,
     StreamSpec,
     WireDtype,
-    chunk_sizes,
     encode_end,
     encode_error,
     encode_hello,

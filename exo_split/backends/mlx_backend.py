@@ -28,7 +28,7 @@ from mlx_lm.utils import load_model
 
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
 from exo_split.errors import BadCheckpoint
-from exo_split.kv import LayerKV
+from exo_split.kv import LayerKV, chunk_sizes
 from exo_split.spec import ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,10 @@ class MLXBackend:
         computed_at = clock()
         return Prefilled(cache=cache, logits=np.array(logits.astype(mx.float32)),
                          computed_at=computed_at)  # fmt: skip
+
+    def prefill_chunks(self, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
+        """The chunks `prefill` emits pieces for (the KV stream's plan announces them)."""
+        return chunk_sizes(n_tokens, chunk or PREFILL_CHUNK)
 
     def _hidden(self, ids: mx.array, cache: list) -> mx.array:
         """The final hidden states (after the last norm) of mlx-lm's Llama/Qwen2/Qwen3 models:

@@ -4,10 +4,12 @@ as it exists, while later layers are still computing.
 The pipeline: the backend's prefill runs on the node's compute thread; its per-layer callback
 (any thread: the compute thread on CPU, a stager on CUDA) hands each piece to `_Frames`,
 which cuts it into the Plan's LAYER frames (views of the piece, no copies) for the
-FrameSender's CRC and send threads. The bytes handed over and not yet on the wire are bounded
-by `InFlight` (the callback waits when they exceed it), so host memory is bounded in bytes.
-With `overlap=False` the KV goes out after the whole prefill, one layer at a time (the
-baseline that shows what overlap buys). Knows bytes and a backend, not HTTP.
+FrameSender's CRC and send threads. Host memory stays bounded in bytes: the backend's pieces
+are views of its cache (no memory of their own) or slots of its fixed staging ring (CUDA,
+released once their frames are sent); a piece converted to another wire dtype is a copy of
+ours, and those wait in the callback while `InFlight` bytes exceed the budget. With
+`overlap=False` the KV goes out after the whole prefill (`stream_kv`), one layer at a time
+(the baseline that shows what overlap buys). Knows bytes and a backend, not HTTP.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exo_split.backends.base import Backend, Cancelled
-from exo_split.kv import LayerKV
+from exo_split.kv import LayerKV, chunk_sizes
 from exo_split.sampling import sample
 from exo_split.transport import wire
 from exo_split.transport.datalink import DataConnection, FrameSender
@@ -81,9 +83,10 @@ class Progress:
 
 
 class InFlight:
-    """Bytes handed to the sender and not yet on the wire, bounded: `acquire` waits while
-    they exceed `limit` (a piece bigger than the limit goes when nothing else waits), and
-    raises Cancelled if the prefill is cancelled meanwhile."""
+    """Bytes of our own copies (pieces converted to the wire dtype) handed to the sender and
+    not yet on the wire, bounded: `acquire` waits while they exceed `limit` (a piece bigger
+    than the limit goes when nothing else waits), and raises Cancelled if the prefill is
+    cancelled meanwhile."""
 
     def __init__(self, limit: int, progress: Progress):
         self.limit, self.progress = limit, progress
@@ -154,12 +157,14 @@ class _Frames:
             raise RuntimeError(f"the backend produced {_describe(kv)} where the plan expects "
                                f"LAYER {layer} tokens [{self._pos}, {start + n})")  # fmt: skip
         wire_kv = kv.astype(self.dtype.name)
-        if wire_kv is not kv:  # a converted copy: the original's bytes are not needed now
+        if wire_kv is kv:  # the backend's memory (a view of its cache, or a staging slot)
+            self._parts.append(_Part(kv, lambda p: None))
+        else:  # a converted copy, ours: bounded by the in-flight budget
             if kv.release is not None:
-                kv.release()
+                kv.release()  # the original's bytes are not needed any more
             kv = dataclasses.replace(wire_kv, release=None)
-        self.budget.acquire(kv.nbytes)
-        self._parts.append(_Part(kv, lambda p: self.budget.release(p.kv.nbytes)))
+            self.budget.acquire(kv.nbytes)
+            self._parts.append(_Part(kv, lambda p: self.budget.release(p.kv.nbytes)))
         self._pos = kv.token_start + kv.n_tokens
         self.stamps["compute_done"][index] = computed_at
         while self._frame_start < self._pos:
@@ -223,7 +228,7 @@ def _describe(kv: LayerKV) -> str:
 def prefill_chunks(backend: Backend, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
     """The chunk sizes the backend's prefill emits pieces for (docs/protocol.md, Plan)."""
     own = getattr(backend, "prefill_chunks", None)
-    return tuple(own(n_tokens, chunk)) if own is not None else wire.chunk_sizes(n_tokens, chunk)
+    return tuple(own(n_tokens, chunk)) if own is not None else chunk_sizes(n_tokens, chunk)
 
 
 async def stream_prefill(
@@ -263,22 +268,9 @@ async def stream_prefill(
     budget = InFlight(inflight_bytes, progress)
     frames = _Frames(plan, dtype, sender, budget, progress, die_after_layer)
 
-    layer_done = [0.0] * spec.n_layers  # sequential: when each layer's last chunk was computed
-
     def on_layer(kv: LayerKV) -> None:  # any thread
         progress.computed += 1
-        at = kv.computed_at if kv.computed_at is not None else clock()
-        if req.overlap:
-            frames.add(kv, at)
-            return
-        layer_done[kv.layer] = at  # only the stamp: the KV goes after the whole prefill
-        if kv.release is not None:
-            kv.release()
-
-    def ship(kv: LayerKV) -> None:  # sequential: the finished cache's KV, layer by layer
-        if progress.cancelled:
-            raise Cancelled("prefill cancelled while sending")
-        frames.add(kv, layer_done[kv.layer])
+        frames.add(kv, kv.computed_at if kv.computed_at is not None else clock())
 
     def work():  # compute thread
         try:
@@ -286,16 +278,23 @@ async def stream_prefill(
             done = backend.prefill(
                 req.token_ids,
                 chunk=req.chunk,
-                on_layer=on_layer,
+                on_layer=on_layer if req.overlap else None,
                 should_stop=lambda: progress.cancelled,
             )
-            t1 = clock()
-            if not req.overlap:
+            t1 = done.computed_at if done.computed_at is not None else clock()
+            if not req.overlap:  # the finished cache's KV, layer by layer
+                progress.computed = progress.total
+
+                def ship(kv: LayerKV) -> None:
+                    frames.add(kv, kv.computed_at if kv.computed_at is not None else t1)
+
                 stream_kv = getattr(backend, "stream_kv", None)
                 if stream_kv is not None:
-                    stream_kv(done.cache, ship)
+                    stream_kv(done.cache, ship, should_stop=lambda: progress.cancelled)
                 else:
                     for kv in backend.export(done.cache):
+                        if progress.cancelled:
+                            raise Cancelled("prefill cancelled while sending")
                         ship(kv)
             done.cache = None  # the prefill side keeps no KV once it is on the wire
             return t0, t1, sample(done.logits, req.sampling, 0)

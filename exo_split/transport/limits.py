@@ -89,14 +89,17 @@ def kv_bytes(spec: ModelSpec, tokens: int, dtype: str, layers: int | None = None
 def prefill_kv_bytes(
     spec: ModelSpec, backend_dtype: str, req: PrefillRequest, *, inflight: int, streams_kv: bool
 ) -> int:
-    """What a prefill holds at most: its own cache of the whole prompt, plus the KV handed to
-    the sender and not yet on the wire (`inflight`, plus the one piece that may exceed it).
-    Without overlap and a backend that cannot stream its cache (`streams_kv`), the whole
-    KV is exported first."""
+    """What a prefill holds at most: its own cache of the whole prompt. The pieces it streams
+    are views of that cache (or slots of the node's fixed staging ring, not per request),
+    except when they are converted to another wire dtype: those copies wait for the wire up to
+    `inflight` bytes, plus the one piece that may exceed it. Without overlap, a backend that
+    cannot stream its finished cache (`streams_kv`) exports it whole first."""
     n, wire_dtype = len(req.token_ids), req.dtype or backend_dtype
     cache, all_kv = kv_bytes(spec, n, backend_dtype), kv_bytes(spec, n, wire_dtype)
     if not req.overlap and not streams_kv:
         return cache + all_kv
+    if wire_dtype == backend_dtype:
+        return cache
     piece = kv_bytes(spec, min(req.chunk or n, n) if req.overlap else n, wire_dtype, layers=1)
     return cache + min(all_kv, inflight + piece)
 

@@ -256,12 +256,6 @@ class Plan:
         return cls(chunks, frame_tokens, spec.n_layers)
 
 
-def chunk_sizes(n_tokens: int, chunk: int | None) -> tuple[int, ...]:
-    """The default chunking of a prefill: `chunk` positions at a time, the last one shorter."""
-    step = chunk or n_tokens
-    return tuple(min(step, n_tokens - s) for s in range(0, n_tokens, step))
-
-
 def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
     """[start, start + n) as consecutive (start, n) ranges of at most `most` positions."""
     for s in range(start, start + n, most):
