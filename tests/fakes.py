@@ -151,16 +151,24 @@ def replay(
 
 
 def proxy(real_url: str, record: list[bytes]) -> Callable:
-    """Forward the request to a real prefill node and its KV stream back; keep a copy."""
+    """Forward the request to a real prefill node and its KV stream back as it comes; keep a
+    copy."""
 
     async def plan(request: web.Request, served: Served) -> web.StreamResponse:
+        resp, conn = await _admit(request)
+        if conn is None:
+            return resp
         code, reader, writer = await open_kv_stream(real_url, served.body,
                                                     request.headers["Authorization"])  # fmt: skip
         assert code == 200, reader
-        got = await reader.read()
+        got = bytearray()
+        while chunk := await reader.read(65536):
+            got += chunk
+            conn.transport.write(chunk)
         writer.close()
-        record.append(got)
-        return await replay(got)(request, served)
+        record.append(bytes(got))
+        conn.close()
+        return resp
 
     return plan
 
