@@ -364,7 +364,7 @@ def main(args) -> int:
             doc = Bench(lab, s, spec, progress).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    doc["model"] = str(model)
+    doc["model"] = doc["scale"]["model"] if s.scale_only else str(model)
     doc["elapsed_s"] = time.monotonic() - t0
     doc["command"] = "exo-split bench " + " ".join(_argv_of(args))
     cards = [] if s.scale_only else [render_card(doc)]
