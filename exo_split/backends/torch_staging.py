@@ -115,7 +115,7 @@ class _Lease:
 
     def __init__(self, ring: StagingRing, slot: int | None, owners: list[np.ndarray]):
         self._ring, self._slot = ring, slot
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may run inside, on this thread
         self._alive = len(owners)
         self._freed = False
         self._finalizers = [weakref.finalize(o, self._owner_gone) for o in owners]
