@@ -115,7 +115,10 @@ class MLXBackend:
         capacity: int | None = None,
     ) -> Prefilled:
         """Chunks of `chunk` positions (default PREFILL_CHUNK); pieces are zero-copy views of
-        each layer's new K/V, handed on from the compute thread."""
+        each layer's new K/V, handed on from the compute thread. Not views of the cache: a
+        view held by the sender would make MLX copy the whole layer buffer at the next chunk's
+        update (it writes in place only when nothing else references the buffer). So pieces
+        in flight cost their own memory, unbounded on a link slower than the compute."""
         n = len(token_ids)
         step = chunk or PREFILL_CHUNK
         position = [0]
