@@ -25,6 +25,7 @@ from exo_split import PROTOCOL_VERSION
 from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.errors import ProtocolError
 from exo_split.kv import LayerKV, chunk_sizes, storage_dtype
+from exo_split.node import prefill as prefill_module
 from exo_split.node.prefill import Progress, stream_prefill
 from exo_split.node.routes import NodeState, make_app
 from exo_split.spec import ModelSpec
@@ -271,22 +272,38 @@ class _Watch(asyncio.Protocol):
 
 
 @pytest.mark.parametrize("convert", [True, False], ids=["converted copies", "views"])
-def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert):
-    """16 pieces computed at once, a receiver reading 64 KiB every 10 ms, an in-flight limit of
-    128 KiB. Pieces converted to the wire dtype (float32 -> float16, 64 KiB each) are our
-    copies: the prefill waits for the wire instead of piling them up. Pieces that are the
-    backend's own memory (views of its cache) cost nothing more: the compute never waits.
-    Every piece is released once its frames are sent."""
+def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert, monkeypatch):
+    """16 pieces of 64 KiB, an in-flight limit of 128 KiB, socket buffers of 16 KiB, and a
+    receiver that reads nothing until either the budget makes the compute thread wait or the
+    compute is over. Pieces converted to the wire dtype (float32 -> float16) are our copies:
+    the compute thread waits for the wire with at most the limit handed over, and has not
+    finished. Pieces that are the backend's own memory (views of its cache) cost nothing more:
+    the compute finishes while the receiver has read nothing. Every piece is released once
+    its frames are sent. Nothing is timed: the events say who moved first."""
     backend = SourceBackend(4, 8, 32, dtype="float32" if convert else "float16")
     n, limit, piece = 256, 128 << 10, 64 << 10  # chunks of 64 positions of 1 KiB (float16)
     got = bytearray()
-    computed: list[float] = []
+    go = threading.Event()  # the receiver may read
+    first: dict = {}  # what let the receiver go, and where the compute was then
 
-    def slow_reader(sock: socket.socket) -> None:
+    def let_go(why: str) -> None:
+        if not go.is_set():
+            first.update(why=why, handed=backend.handed, received=len(got))
+            go.set()
+
+    class Watched(prefill_module.InFlight):
+        def acquire(self, nbytes: int) -> None:
+            if self.held and self.held + nbytes > self.limit:
+                let_go("the budget made the compute wait")
+            super().acquire(nbytes)
+
+    monkeypatch.setattr(prefill_module, "InFlight", Watched)
+
+    def reader(sock: socket.socket) -> None:
+        go.wait(60)  # a guard against a hang, not a measurement: `first` says what happened
         sock.settimeout(10)
         while chunk := sock.recv(64 << 10):
             got.extend(chunk)
-            time.sleep(0.01)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -294,8 +311,8 @@ def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert):
         for s in (ours, theirs):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-        reader = threading.Thread(target=slow_reader, args=(theirs,))
-        reader.start()
+        thread = threading.Thread(target=reader, args=(theirs,))
+        thread.start()
         watch = _Watch()
         transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
         conn = watch.conn = DataConnection(transport)
@@ -303,26 +320,35 @@ def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert):
         req = PrefillRequest(request_id="t", token_ids=tuple(range(n)), chunk=64,
                              dtype="float16")  # fmt: skip
         prefill = backend.prefill
-        backend.prefill = lambda *a, **kw: (prefill(*a, **kw), computed.append(time.monotonic()))[0]
-        t0 = time.monotonic()
-        with ThreadPoolExecutor(1) as executor:
-            await stream_prefill(backend, executor, req, conn, hello={}, timeout=5.0,
-                                 inflight_bytes=limit, progress=progress)  # fmt: skip
-        sent = time.monotonic()
-        conn.close()
-        await asyncio.to_thread(reader.join, 10)
-        return progress, computed[0] - t0, sent - t0
 
-    progress, compute_s, stream_s = asyncio.run(run())
+        def prefill_then_let_go(*a, **kw):
+            done = prefill(*a, **kw)
+            let_go("the compute finished")
+            return done
+
+        backend.prefill = prefill_then_let_go
+        try:
+            with ThreadPoolExecutor(1) as executor:
+                await stream_prefill(backend, executor, req, conn, hello={}, timeout=30.0,
+                                     inflight_bytes=limit, progress=progress)  # fmt: skip
+        finally:
+            go.set()
+        conn.close()
+        await asyncio.to_thread(thread.join, 30)
+        return progress
+
+    progress = asyncio.run(run())
     assert backend.handed == 16 and backend.released == 16
     assert progress.sent == 16
     assert len(got) > 16 * piece  # everything went, frames and all
+    assert first["received"] == 0
     if convert:
-        assert piece <= progress.inflight_peak <= limit + piece, progress.inflight_peak
-        assert compute_s > stream_s / 2  # the compute waited for the wire
+        assert first["why"] == "the budget made the compute wait"
+        assert first["handed"] < 16  # it waited before the last piece, not after it
+        assert piece <= progress.inflight_peak <= limit, progress.inflight_peak
     else:
+        assert first == {"why": "the compute finished", "handed": 16, "received": 0}
         assert progress.inflight_peak == 0
-        assert compute_s < stream_s / 4  # the compute never waited for the wire
 
 
 def test_a_receiver_that_leaves_stops_the_prefill_and_frees_every_piece():
