@@ -133,6 +133,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(pairs):
     before_t, before_m = _stats(t), _stats(m)
     vocab = t.info["spec"]["vocab_size"]
     spec = t.info["spec"]
+    status, raw, _ = asyncio.run(request("GET", f"{m.url}/v1/models"))
+    model = json.loads(raw)["data"][0]["id"]
     for bad in (vocab, 2**31 - 1):
         prefill_body = {"request_id": "v", "token_ids": [1, 5, bad], "spec": spec,
                         "fingerprint": spec["fingerprint"]}  # fmt: skip
@@ -144,9 +146,26 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(pairs):
         status, raw, _ = asyncio.run(request("POST", f"{m.url}/v1/generate", json=gen_body))
         assert status == 400, raw
         assert json.loads(raw)["message"] == message
-    # no work: nothing counted, nothing held, nothing admitted on either node
+        # the OpenAI API takes a prompt of token ids too: the same check, in OpenAI's shape
+        completion = {"model": model, "prompt": [1, 5, bad], "max_tokens": 2}
+        status, raw, _ = asyncio.run(request("POST", f"{m.url}/v1/completions", json=completion))
+        assert status == 400, raw
+        assert json.loads(raw)["error"]["message"] == message
+    # a negative id is not an id at all: refused as malformed, on every endpoint
+    for node, path, ids_body in (
+        (t, "/v1/prefill", {"request_id": "n", "token_ids": [1, -1], "spec": spec,
+                            "fingerprint": spec["fingerprint"]}),
+        (m, "/v1/generate", {"token_ids": [1, -1], "max_tokens": 2, "prefill_peer": t.addr}),
+        (m, "/v1/completions", {"model": model, "prompt": [1, -1], "max_tokens": 2}),
+    ):  # fmt: skip
+        status, raw, _ = asyncio.run(request("POST", node.url + path, json=ids_body))
+        assert status == 400, (path, raw)
+        assert "non-negative" in raw.decode() or "list of token ids" in raw.decode(), raw
+    # no work: nothing counted (no prefill, no generate, no ticket), nothing held at any
+    # moment (the KV peak), nothing in progress on either node
     assert _stats(t) == before_t and _stats(m) == before_m
     assert _stats(t)["kv_bytes_peak"] == before_t["kv_bytes_peak"]
+    assert _stats(t)["active"] == {} and _stats(m)["active"] == {}
 
 
 def test_incompatible_fingerprint_fails_before_any_layer_frame(pairs, checkpoint, tmp_path):
