@@ -92,6 +92,8 @@ def test_quick_bench_reports_every_figure(tmp_path):
     )  # one repeat: the median of the paired ratios is that pair's
     assert p["decode_memory"]["rss_before"] > 0 and p["decode_memory"]["peak_growth"] >= 0
     assert p["same_tokens"] is True
+    assert p["same_as_transformers"] is True and len(p["reference_tokens"]) > 0  # float32
+    assert sc["targets"]["same_as_transformers"] is True and "transformers (float32): yes" in card
     assert sc["llama_8b_10gbe"]["kv_bytes"] == 32 * 8192 * 2 * 8 * 128 * 2  # 1 GiB of bf16
     assert len(sc["load_average"]["start"]) == 3
 

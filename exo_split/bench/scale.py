@@ -11,7 +11,9 @@ alternating between repeats, so the shared machine's load drifts over both alike
   overlapped request: T_ovl (prefill start -> last layer injected) against T_ideal, the
   pipelined bound for the sequential run's per-layer compute at the socket's rate;
 - every request: the decode node's peak resident memory (VmHWM, reset before each request)
-  against its resident memory before the request + the KV bytes.
+  against its resident memory before the request + the KV bytes;
+- once per length, after the measurements: transformers' greedy tokens (float32, in this
+  process, while the nodes are idle) against the tokens every request generated.
 
 Ratios are taken within a repeat and their median reported; the load average is recorded,
 since the box is shared.
@@ -65,6 +67,20 @@ class ScalePoint:
     samples: dict[str, list[Sample]] = field(
         default_factory=lambda: {"unshaped": [], "shaped_sequential": [], "shaped_overlap": []}
     )
+    reference: list[int] | None = None  # transformers' greedy tokens, float32
+
+
+def reference_tokens(model_dir, token_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy generate() on the checkpoint in float32: the independent
+    reference the split's tokens must equal (DESIGN §3's fidelity bar)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    return out[0, len(token_ids) :].tolist()
 
 
 def measure(bench, lengths: tuple[int, ...], repeats: int) -> tuple[list[ScalePoint], list]:
@@ -108,7 +124,14 @@ def measure(bench, lengths: tuple[int, ...], repeats: int) -> tuple[list[ScalePo
                     pt.samples["shaped_overlap"].append(request(n, "overlap"))
             loads.append(os.getloadavg())
     lab.shape(None)
-    return [p for p in points.values() if p.samples["unshaped"]], loads
+    measured = [p for p in points.values() if p.samples["unshaped"]]
+    from exo_split.bench.run import prompt_ids
+
+    for pt in measured:  # after the timed part: this process computes, the nodes are idle
+        bench.progress(f"real-size KV: transformers' tokens for {pt.prompt_tokens:,} tokens")
+        ids = prompt_ids(pt.prompt_tokens, bench.vocab)
+        pt.reference = reference_tokens(lab.model, ids, MAX_TOKENS)
+    return measured, loads
 
 
 def _median(xs) -> float | None:
@@ -169,6 +192,8 @@ def point_figures(pt: ScalePoint) -> dict:
             "within_bound": all(g <= bound for g in growth),
         },
         "same_tokens": len(tokens) == 1,
+        "reference_tokens": pt.reference,
+        "same_as_transformers": None if pt.reference is None else tokens == {tuple(pt.reference)},
         "runs": len(un),
     }
 
@@ -230,6 +255,7 @@ def summarize(points: list[ScalePoint], loads: list, config: dict, repeats: int)
                 "met": all(f["decode_memory"]["within_bound"] for f in figures),
             },
             "same_tokens": all(f["same_tokens"] for f in figures),
+            "same_as_transformers": all(f["same_as_transformers"] for f in figures),
         },  # fmt: skip
         "llama_8b_10gbe": llama_8b(figures),
     }
@@ -285,7 +311,8 @@ def render(doc: dict, width: int = 120) -> str:
         f"{TARGET_VS_SHAPED:.0%} of 10 Gbit/s: worst {_f(t['transport_vs_shaped_rate']['worst'])}"
         f" — {ok[t['transport_vs_shaped_rate']['met']]}; decode peak ≤ RSS before + "
         f"{MEMORY_FACTOR} × KV + 64 MiB — {ok[t['decode_memory']['met']]}; same tokens in every "
-        f"run: {'yes' if t['same_tokens'] else 'NO'}",
+        f"run: {'yes' if t['same_tokens'] else 'NO'}, equal to transformers (float32): "
+        f"{'yes' if t.get('same_as_transformers') else 'NO'}",
     ]
     e = doc["llama_8b_10gbe"]
     if e and e["sequential_transfer_s"]:
