@@ -4,11 +4,13 @@ Sampling is stateless per step: step i draws its uniform number from (seed, i), 
 prefill node can pick token 0 and the decode node continue with token 1.. and the whole
 sequence equals a single-machine run with the same seed.
 
-The rule, for temperature T > 0 and nucleus top_p: p = softmax(logits / T); tokens outside
-the nucleus (the most probable tokens, in order of probability, ties by id, until their sum
-reaches top_p; the first always counts) get p = 0; the token is the first id, in vocabulary
-order, where the cumulative sum of p passes u * sum(p), with u from (seed, step). T = 0 is
-greedy (argmax, lowest id on a tie).
+The rule, for temperature T > 0 and nucleus top_p: z = logits x float32(1 / T) in float32
+(one correctly rounded multiply, the same on every device), p = softmax(z) in float64;
+tokens outside the nucleus (the most probable tokens, in order of probability, ties by id,
+until their sum reaches top_p; the first always counts) get p = 0; the token is the first
+id, in vocabulary order, where the cumulative sum of p passes u * sum(p), with u from
+(seed, step). T = 0 is greedy (argmax, lowest id on a tie). `pick` is the rule; the MLX
+decode loop computes it in the graph and defers to `pick` wherever float32 is not sure.
 """
 
 from __future__ import annotations
@@ -61,17 +63,24 @@ def sample(logits: np.ndarray, sampling: Sampling, step: int) -> tuple[int, floa
     Returns (token id, its log-probability under the unscaled distribution).
     """
     logits = np.asarray(logits, dtype=np.float32).reshape(-1)
-    logp = log_softmax(logits)
+    token = pick(logits, sampling, step)
+    return token, float(log_softmax(logits)[token])
+
+
+def pick(logits: np.ndarray, sampling: Sampling, step: int, *, u: float | None = None) -> int:
+    """The token of the rule (module docstring) for generation step `step`; `u` may be given
+    when the caller already drew uniform(seed, step). The decode loop's host check calls this."""
+    logits = np.asarray(logits, dtype=np.float32).reshape(-1)
     if sampling.temperature == 0.0:
-        token = int(np.argmax(logits))
-    else:
-        p = np.exp(log_softmax(logits / sampling.temperature))
-        if sampling.top_p < 1.0:
-            p = p * nucleus_mask(p, sampling.top_p)
-        u = uniform(sampling.seed, step)
-        cdf = np.cumsum(p)
-        token = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
-    return token, float(logp[token])
+        return int(np.argmax(logits))
+    # One correctly rounded float32 multiply: the same z on every device, the graph's too.
+    z = (logits * np.float32(1.0 / sampling.temperature)).astype(np.float64)
+    p = np.exp(z - z.max())  # softmax up to its normalisation, which the rule scales away
+    if sampling.top_p < 1.0:
+        p = p * nucleus_mask(p / p.sum(), sampling.top_p)
+    cdf = np.cumsum(p)
+    u = uniform(sampling.seed, step) if u is None else u
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), len(p) - 1))
 
 
 def uniform(seed: int, step: int) -> float:
@@ -80,9 +89,21 @@ def uniform(seed: int, step: int) -> float:
 
 
 def nucleus_mask(p: np.ndarray, top_p: float) -> np.ndarray:
-    """1.0 for the tokens of the nucleus of `p`, else 0.0 (see the module docstring)."""
-    order = np.lexsort((np.arange(len(p)), -p))  # by probability, then by id
-    before = np.cumsum(p[order]) - p[order]  # mass of the more probable tokens
+    """1.0 for the tokens of the nucleus of `p` (probabilities), else 0.0 (see the module
+    docstring). Only the most probable tokens are sorted: a candidate set that grows until
+    the nucleus ends strictly above every token left out (so ties are never cut apart)."""
+    n = len(p)
+    k = min(n, 256)
+    while True:
+        cand = np.argpartition(-p, k - 1)[:k] if k < n else np.arange(n)
+        order = cand[np.lexsort((cand, -p[cand]))]  # by probability, then by id
+        before = np.cumsum(p[order]) - p[order]  # mass of the more probable tokens
+        kept = order[before < top_p]
+        # Every token outside `cand` is <= the smallest candidate: if the nucleus's last
+        # token is strictly more probable, no outsider could have come before it.
+        if k == n or p[kept[-1]] > p[order[-1]]:
+            break
+        k = min(n, 4 * k)
     mask = np.zeros_like(p)
-    mask[order[before < top_p]] = 1.0
+    mask[kept] = 1.0
     return mask
