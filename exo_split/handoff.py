@@ -3,13 +3,13 @@ decode on B. No network.
 
 How a request is split between the phases (one rule, here): the prefill side runs every
 prompt token and samples generation step 0 from the last position's logits; the decode
-side feeds that token in as its first step and samples steps 1, 2, ...
+side feeds that token in as its first step and samples steps 1, 2, ... (`Backend.decode`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,28 +18,6 @@ import numpy as np
 from exo_split.backends.base import Backend
 from exo_split.sampling import GREEDY, Sampling, sample
 from exo_split.spec import check_request, require_compatible
-
-
-def decode_tokens(
-    backend: Backend,
-    cache: Any,
-    first_token: int,
-    *,
-    max_tokens: int,
-    sampling: Sampling,
-    stop_ids: frozenset[int] = frozenset(),
-) -> Iterator[int]:
-    """Yield generated tokens 1..max_tokens-1 (token 0, `first_token`, came from prefill).
-
-    Stops after yielding a stop token. The caller yields/prints `first_token` itself.
-    """
-    token = first_token
-    for step in range(1, max_tokens):
-        if token in stop_ids:
-            return
-        logits = backend.step(cache, token)
-        token, _ = sample(logits, sampling, step)
-        yield token
 
 
 def prefill_into(
@@ -101,8 +79,8 @@ def split_generate(
     times = [time.perf_counter()]
     if on_token:
         on_token(first)
-    for token in decode_tokens(
-        decode, cache, first, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids
+    for token in decode.decode(
+        cache, first, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids
     ):
         tokens.append(token)
         times.append(time.perf_counter())

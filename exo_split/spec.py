@@ -4,6 +4,10 @@ Read from a Hugging Face checkpoint's config.json, no torch or mlx imports. Both
 layout (`rope_theta`, `rope_scaling`) and the transformers-5 layout (`rope_parameters`)
 are read into one canonical form, because this is where silent errors live: a backend
 that misses a rope setting still produces tokens, just wrong ones.
+
+A checkpoint's weight quantization (`Quantization`, as mlx_lm.convert writes it) is not part
+of the maths: a 4-bit copy of a model holds the same KV layout and has the same fingerprint,
+so a full-precision prefill node can hand its KV to a quantized decode node.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,3 +222,75 @@ def check_token_ids(spec: ModelSpec, token_ids) -> None:
         raise ExoSplitError(
             f"token id {bad} is outside the vocabulary (ids 0..{spec.vocab_size - 1})"
         )
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a checkpoint's weights are quantized (mlx_lm.convert / mlx-community layout)."""
+
+    bits: int
+    group_size: int
+    mode: str  # "affine" (mlx-lm's default), or mxfp4 / nvfp4 / mxfp8
+    scales_dtype: str | None  # the dtype the scales (and biases) are stored in
+    quantized: int  # weight matrices stored packed
+    full_precision: int  # projection/embedding matrices convert left unquantized
+
+    @property
+    def tag(self) -> str:
+        """Short and stable, for cache keys and TXT records: 'q4g64-affine'."""
+        return f"q{self.bits}g{self.group_size}-{self.mode}"
+
+    def describe(self) -> str:
+        mixed = (
+            f", {self.full_precision} matrices left full precision" if self.full_precision else ""
+        )
+        return f"{self.bits}-bit {self.mode}, groups of {self.group_size}{mixed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "tag": self.tag}
+
+
+def load_quantization(model_dir: str | Path) -> Quantization | None:
+    """The quantization of a checkpoint (None: full precision), from config.json's
+    `quantization` and the safetensors headers (no weights are read). Counting the packed
+    matrices matters: convert silently leaves a matrix in full precision when its input
+    dimension is not a multiple of the group size."""
+    path = Path(model_dir)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        q = config.get("quantization") or config.get("quantization_config")
+        if not isinstance(q, dict) or "bits" not in q:
+            return None
+        headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
+        dtypes = {k: v["dtype"] for h in headers for k, v in h.items() if k != "__metadata__"}
+        packed = {k.removesuffix(".scales") for k in dtypes if k.endswith(".scales")}
+        plain = [
+            k
+            for k in dtypes
+            if k.endswith(".weight")
+            and k.removesuffix(".weight") not in packed
+            and ("proj" in k or "embed" in k or "lm_head" in k)
+        ]
+        scales = sorted(k for k in dtypes if k.endswith(".scales"))
+        return Quantization(
+            bits=int(q["bits"]),
+            group_size=int(q["group_size"]),
+            mode=str(q.get("mode", "affine")),
+            scales_dtype=_SAFETENSORS_DTYPES.get(dtypes[scales[0]]) if scales else None,
+            quantized=len(packed),
+            full_precision=len(plain),
+        )
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise BadCheckpoint(f"cannot read the quantization of {path}: {exc}") from exc
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: the header is not a JSON object")
+    return header

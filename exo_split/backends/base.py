@@ -1,20 +1,22 @@
 """The contract every backend implements. Backends know token ids and KV, never text.
 
 A backend holds one loaded model. Per request it creates a cache object (its own type),
-fills it by `prefill` or by `inject`, and advances it one token at a time with `step`.
-Logits leave a backend as float32 numpy arrays, so sampling is the same rule everywhere.
+fills it by `prefill` or by `inject`, then generates with `decode` (the fast loop) or
+advances it one token at a time with `step` (logits out, for teacher forcing). Logits leave
+a backend as float32 numpy arrays, and every token is picked by sampling.py's one rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from exo_split.kv import LayerKV
-from exo_split.spec import ModelSpec
+from exo_split.sampling import Sampling, pick
+from exo_split.spec import ModelSpec, Quantization
 
 OnLayer = Callable[[LayerKV], None]
 
@@ -28,11 +30,23 @@ class Prefilled:
     computed_at: float | None = None
 
 
+@dataclass
+class DecodeStats:
+    """What a `decode` loop did, for the report. `checked`: steps whose in-graph pick lay
+    too close to a sampling boundary for float32 and was redone by the host rule;
+    `corrected`: of those, the steps where the host's token differed (and won)."""
+
+    steps: int = 0
+    checked: int = 0
+    corrected: int = 0
+
+
 class Backend(Protocol):
     name: str  # "torch" | "mlx"
     device: str  # "cpu" | "cuda" | "metal" ...
     dtype: str  # "float32" | "float16" | "bfloat16"
     spec: ModelSpec
+    quantization: Quantization | None  # the weights' quantization; None: full precision
 
     def prefill(
         self,
@@ -80,6 +94,29 @@ class Backend(Protocol):
         """Feed one token at the next position; float32 logits [vocab] for the position after."""
         ...
 
+    def decode(
+        self,
+        cache: Any,
+        first_token: int,
+        *,
+        max_tokens: int,
+        sampling: Sampling,
+        stop_ids: frozenset[int] = frozenset(),
+        should_stop: Callable[[], bool] | None = None,
+        stats: DecodeStats | None = None,
+    ) -> Iterator[int]:
+        """Yield the tokens of generation steps 1..max_tokens-1; `first_token` is step 0's
+        (picked from the prefill's logits) and is fed in first. Each token is the one
+        `sampling.pick` gives on the logits this backend computes. Stops after yielding a
+        token of `stop_ids`, or between steps once `should_stop()` is true; run it on the
+        compute thread, and it has let go of the cache when it returns or is closed."""
+        ...
+
+    def warm(self) -> float:
+        """Run what the first decode after a handoff would otherwise pay for (kernel builds,
+        compilation); seconds taken. Called once at node start."""
+        ...
+
     def export(self, cache: Any) -> list[LayerKV]:
         """The cache's KV, one LayerKV per layer."""
         ...
@@ -89,3 +126,26 @@ class Backend(Protocol):
 
 class Cancelled(Exception):
     """A prefill was stopped by its `should_stop` callback."""
+
+
+def serial_decode(
+    backend: Any,
+    cache: Any,
+    first_token: int,
+    *,
+    max_tokens: int,
+    sampling: Sampling,
+    stop_ids: frozenset[int] = frozenset(),
+    should_stop: Callable[[], bool] | None = None,
+    stats: DecodeStats | None = None,
+) -> Iterator[int]:
+    """`Backend.decode` from `step` and the host rule: one step at a time, logits to the
+    host. What a backend without a pipelined loop uses (torch)."""
+    token = first_token
+    for step in range(1, max_tokens):
+        if token in stop_ids or (should_stop is not None and should_stop()):
+            return
+        token = pick(backend.step(cache, token), sampling, step)
+        if stats is not None:
+            stats.steps += 1
+        yield token

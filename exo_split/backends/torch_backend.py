@@ -15,6 +15,7 @@ import bisect
 import collections
 import inspect
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from exo_split.backends.base import Cancelled, OnLayer, Prefilled
+from exo_split.backends.base import Cancelled, OnLayer, Prefilled, serial_decode
 from exo_split.backends.torch_staging import (
     DEFAULT_RUN_AHEAD,
     DEFAULT_SLOT_TIMEOUT_S,
@@ -37,7 +38,7 @@ from exo_split.backends.torch_staging import (
 )
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, itemsize
-from exo_split.spec import ModelSpec, load_spec
+from exo_split.spec import ModelSpec, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
 
 class TorchBackend:
     name = "torch"
+    quantization = None  # full-precision checkpoints only
+    decode = serial_decode  # one step at a time: the prefill side's backend rarely decodes
 
     def __init__(self, model, spec: ModelSpec, dtype: str, device: torch.device):
         self.model = model
@@ -225,6 +228,16 @@ class TorchBackend:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.torch_device)
         return self._run(ids, cache).float().cpu().numpy()
 
+    def warm(self) -> float:
+        """A short prefill and two steps: library initialisation (cuBLAS handles, kernel
+        selection) is paid here, not by the first request."""
+        t0 = time.perf_counter()
+        ids = [t % self.spec.vocab_size for t in range(1, 7)]
+        done = self.prefill(ids[:4], capacity=6)
+        for token in ids[4:]:
+            self.step(done.cache, token)
+        return time.perf_counter() - t0
+
     def export(self, cache: PreallocatedCache) -> list[LayerKV]:
         out = []
         for i, layer in enumerate(cache.layers):
@@ -256,9 +269,18 @@ def default_device() -> str:
 
 
 def load(
-    model_dir: str | Path, *, dtype: str = "float32", device: str | None = None
+    model_dir: str | Path, *, dtype: str | None = None, device: str | None = None
 ) -> TorchBackend:
     spec = load_spec(model_dir)
+    quant = load_quantization(model_dir)
+    if quant is not None:
+        raise BadCheckpoint(
+            f"{model_dir} holds MLX-quantized weights ({quant.describe()}): the torch backend "
+            "runs full-precision checkpoints",
+            hint="give the prefill node the original checkpoint; the quantized copy is for "
+            "the MLX decode node",
+        )
+    dtype = dtype or "float32"
     if dtype not in _TORCH_DTYPES:
         raise BadCheckpoint(f"unknown dtype {dtype!r}: expected one of {', '.join(_TORCH_DTYPES)}")
     dev = _device(device or default_device())

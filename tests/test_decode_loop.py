@@ -1,0 +1,216 @@
+"""The pipelined MLX decode loop (backends/mlx_decode.py): which tokens it gives, and that it
+stops, cancels and synchronizes as Backend.decode promises. No timings are asserted.
+
+The references are independent of the loop: the one-step-at-a-time loop (`step` + the host
+rule), mlx-lm's own generate_step from the same handed-off cache, and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from reference import reference_generate
+
+from exo_split.backends import DecodeStats, load_backend
+from exo_split.backends import mlx_decode as md
+from exo_split.backends.base import serial_decode
+from exo_split.sampling import GREEDY, Sampling, pick
+
+
+@pytest.fixture(scope="module")
+def mlx_llama(llama):
+    return load_backend("mlx", llama, device="cpu")
+
+
+def ids_(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 512, n).tolist()
+
+
+def prefilled(backend, ids, max_tokens):
+    done = backend.prefill(ids, capacity=len(ids) + max_tokens)
+    return done.cache, done.logits
+
+
+def serial(backend, ids, first, n, sampling):
+    cache, _ = prefilled(backend, ids, n)
+    return list(serial_decode(backend, cache, first, max_tokens=n, sampling=sampling))
+
+
+def mlx_lm(backend, ids, first, n):
+    cache, _ = prefilled(backend, ids, n)
+    steps = generate_step(mx.array([first]), backend.model, max_tokens=n - 1, prompt_cache=cache)
+    return [int(t) for t, _ in steps]
+
+
+def test_greedy_is_the_serial_loop_mlx_lm_and_transformers(llama, mlx_llama):
+    ids, n = ids_(40), 24
+    cache, logits = prefilled(mlx_llama, ids, n)
+    first = pick(logits, GREEDY, 0)
+    ours = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=GREEDY))
+    assert len(ours) == n - 1
+    assert ours == serial(mlx_llama, ids, first, n, GREEDY) == mlx_lm(mlx_llama, ids, first, n)
+    # The split: torch prefill (float32), KV injected into MLX, the loop decodes.
+    torch_b = load_backend("torch", llama)
+    cache = mlx_llama.new_cache(len(ids) + n)
+    done = torch_b.prefill(ids, on_layer=lambda kv: mlx_llama.inject(cache, kv))
+    first = pick(done.logits, GREEDY, 0)
+    split = [first, *mlx_llama.decode(cache, first, max_tokens=n, sampling=GREEDY)]
+    assert split == reference_generate(llama, ids, n)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(0.8, seed=0), Sampling(1.3, seed=5), Sampling(0.9, seed=3, top_p=0.9)],
+    ids=["t0.8", "t1.3", "t0.9-top0.9"],
+)
+def test_sampled_tokens_are_the_host_rule_on_the_same_logits(mlx_llama, sampling):
+    ids, n = ids_(30, 1), 40
+    cache, logits = prefilled(mlx_llama, ids, n)
+    first = pick(logits, sampling, 0)
+    stats = DecodeStats()
+    ours = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=sampling, stats=stats))
+    assert ours == serial(mlx_llama, ids, first, n, sampling)
+    assert stats.steps == n - 1 and stats.corrected <= stats.checked
+
+
+def test_a_host_correction_discards_the_step_queued_with_the_wrong_token(mlx_llama, monkeypatch):
+    """Make the graph pick wrong, and flag it, at the 5th step built: the loop must take the
+    host's token, undo the step already queued with the wrong one, and go on exactly as the
+    reference."""
+    sampling, ids, n = Sampling(0.8, seed=4), ids_(30, 2), 20
+    real = md.GraphSampler.pick
+    built = {"n": 0}
+
+    def wrong_at_5(self, logits, u):
+        out = real(self, logits, u)
+        built["n"] += 1
+        if built["n"] == 5:
+            return mx.stack([(out[:, 0] + 1) % logits.shape[-1], mx.ones_like(out[:, 1])], -1)
+        return out
+
+    monkeypatch.setattr(md.GraphSampler, "pick", wrong_at_5)
+    cache, logits = prefilled(mlx_llama, ids, n)
+    first = pick(logits, sampling, 0)
+    stats = DecodeStats()
+    ours = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=sampling, stats=stats))
+    assert stats.corrected == 1
+    assert cache[0].offset == len(ids) + n - 1  # tokens 0..n-2 fed; the wrong one undone
+    monkeypatch.setattr(md.GraphSampler, "pick", real)
+    assert ours == serial(mlx_llama, ids, first, n, sampling)
+
+
+def test_stops_after_a_stop_id_at_max_tokens_and_on_request(mlx_llama):
+    ids, n = ids_(20, 3), 30
+    cache, logits = prefilled(mlx_llama, ids, n)
+    first = pick(logits, GREEDY, 0)
+    ref = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=GREEDY))
+    assert len(ref) == n - 1
+    stop = ref[6]
+    cache, _ = prefilled(mlx_llama, ids, n)
+    got = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=GREEDY, stop_ids={stop}))
+    assert got == ref[: ref.index(stop) + 1]
+    # The step fed with the stop token was queued before the stop was known: its KV is in.
+    assert cache[0].offset == len(ids) + len(got) + 1
+    assert list(mlx_llama.decode(cache, stop, max_tokens=n, sampling=GREEDY, stop_ids={stop})) == []
+    assert list(mlx_llama.decode(cache, first, max_tokens=1, sampling=GREEDY)) == []
+    cache, _ = prefilled(mlx_llama, ids, n)
+    seen: list[int] = []
+    for token in mlx_llama.decode(cache, first, max_tokens=n, sampling=Sampling(0.8),
+                                  should_stop=lambda: len(seen) >= 3):  # fmt: skip
+        seen.append(token)
+    assert len(seen) == 3
+    assert cache[0].offset == len(ids) + 4  # 3 fed after the first + the one in flight, done
+
+
+def test_closing_the_loop_early_lets_the_queued_step_finish(mlx_llama):
+    ids, n = ids_(20, 5), 50
+    cache, _ = prefilled(mlx_llama, ids, n)
+    gen = mlx_llama.decode(cache, 5, max_tokens=n, sampling=Sampling(0.8, seed=1))
+    next(gen), next(gen)
+    gen.close()
+    assert cache[0].offset == len(ids) + 3
+    mx.eval([c.keys for c in cache])  # nothing is left half-built
+
+
+def test_warm_up_runs_every_kind_of_pick_and_leaves_the_model_as_it_was(mlx_llama):
+    ids, n = ids_(20, 9), 12
+    cache, logits = prefilled(mlx_llama, ids, n)
+    before = list(mlx_llama.decode(cache, 5, max_tokens=n, sampling=Sampling(0.8)))
+    kinds = []
+    real = md.decode_steps
+
+    def spy(model, cache, first, *, sampling, **kw):
+        kinds.append((sampling.temperature, sampling.top_p, cache[0].offset))
+        return real(model, cache, first, sampling=sampling, **kw)
+
+    md.decode_steps = spy
+    try:
+        assert mlx_llama.warm() > 0
+    finally:
+        md.decode_steps = real
+    assert {(t, p) for t, p, _ in kinds} == {(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)}
+    assert {o for *_, o in kinds} == set(md.WARM_KEY_LENGTHS)
+    assert mlx_llama.wired_bytes is None  # the CPU has nothing to wire
+    cache, _ = prefilled(mlx_llama, ids, n)
+    assert list(mlx_llama.decode(cache, 5, max_tokens=n, sampling=Sampling(0.8))) == before
+
+
+_FIRST_DECODE = """
+import json, os, sys
+import numpy as np
+from exo_split.backends import load_backend
+from exo_split.kv import LayerKV
+from exo_split.sampling import GREEDY, Sampling
+
+def compiled():
+    return sorted(f for _, _, fs in os.walk(os.environ["TMPDIR"]) for f in fs)
+
+backend = load_backend("mlx", sys.argv[1], device="cpu")
+backend.warm()
+warmed = compiled()
+spec, rng = backend.spec, np.random.default_rng(0)
+for sampling in (GREEDY, Sampling(0.8), Sampling(0.8, top_p=0.9)):
+    cache = backend.new_cache(300)
+    for layer in range(spec.n_layers):  # an injected handoff of 280 positions
+        k = rng.standard_normal((spec.n_kv_heads, 280, spec.head_dim)).astype(np.float32)
+        backend.inject(cache, LayerKV(layer, 0, k, k.copy(), "float32"))
+    list(backend.decode(cache, 5, max_tokens=8, sampling=sampling))
+print(json.dumps({"warmed": warmed, "after": compiled()}))
+"""
+
+
+def test_after_the_warm_up_the_first_decode_compiles_nothing(llama, tmp_path):
+    """On the CPU, MLX compiles mx.compile'd functions (mlx-lm's swiglu) to C++ on first use,
+    once per machine: a fresh process with an empty compile cache shows what each phase
+    built. The warm-up must have built everything a decode after a handoff runs."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _FIRST_DECODE, str(llama)], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["warmed"], "the warm-up compiled nothing: the check would be empty"
+    assert doc["after"] == doc["warmed"]
+
+
+def test_the_decode_stream_is_one_per_device():
+    assert md.decode_stream() is md.decode_stream()
+
+
+def test_torch_decodes_with_the_same_contract(llama, mlx_llama):
+    """Every pairing decodes: torch's Backend.decode is the serial loop, same tokens."""
+    torch_b = load_backend("torch", llama)
+    ids, n = ids_(20, 11), 16
+    for sampling in (GREEDY, Sampling(0.8, seed=2)):
+        done = torch_b.prefill(ids, capacity=len(ids) + n)
+        first = pick(done.logits, sampling, 0)
+        stats = DecodeStats()
+        ours = list(torch_b.decode(done.cache, first, max_tokens=n, sampling=sampling,
+                                   stats=stats))  # fmt: skip
+        assert ours == serial(torch_b, ids, first, n, sampling) and stats.steps == n - 1
+    assert torch_b.warm() > 0 and torch_b.quantization is None
