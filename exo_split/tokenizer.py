@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from exo_split.errors import BadCheckpoint
 
@@ -30,21 +31,43 @@ class TextCodec:
 
 
 class TextStream:
-    """Incremental detokenization: feed ids one by one, get the new text each time."""
+    """Incremental detokenization: feed ids one by one, get the new text each time.
+
+    O(1) per token (tokenizers' DecodeStream keeps a short window of ids), where decoding
+    every id so far each time costs O(n) per token. The pieces join to exactly what
+    `detokenize` gives for all the ids, except that an incomplete UTF-8 character at the very
+    end is held back: `finish(full_text)` returns that tail once the ids are complete.
+    DecodeStream refuses byte tokens that form invalid UTF-8 inside the text (a byte-fallback
+    vocabulary under random weights emits them): from there on this stream decodes every id
+    so far for each token instead.
+    """
 
     def __init__(self, codec: TextCodec):
         self._codec = codec
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._text = ""
+        self._emitted = 0  # characters handed out so far
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._codec._tok, token_id) or ""
+            except Exception:  # tokenizers raises its own untyped error here
+                self._stream = None
+            else:
+                self._emitted += len(piece)
+                return piece
         text = self._codec.detokenize(self._ids)
-        # Hold back an incomplete UTF-8 sequence until the next token completes it.
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return ""
-        new, self._text = text[len(self._text) :], text
-        return new
+        piece, self._emitted = text[self._emitted :], len(text)
+        return piece
+
+    def finish(self, full_text: str) -> str:
+        """What `push` held back, given `detokenize` of every id pushed."""
+        tail, self._emitted = full_text[self._emitted :], len(full_text)
+        return tail
 
 
 def _eos_ids(path: Path) -> list[int]:

@@ -78,16 +78,12 @@ def cmd_generate(args) -> int:
     if args.decode_backend != args.prefill_backend:
         decode = load_verbose(args.decode_backend, args.model, args.dtype, args.device)
 
-    printed: list[str] = []
+    stream = TextStream(codec)
     on_token = None
     if not args.json:
-        stream = TextStream(codec)
 
         def on_token(token: int) -> None:
-            piece = stream.push(token)
-            if piece:
-                printed.append(piece)
-                out(piece)
+            out(stream.push(token))
 
     result = split_generate(
         prefill,
@@ -105,8 +101,7 @@ def cmd_generate(args) -> int:
         doc = _generate_doc(result, text, spec, prefill, decode, sampling, finished)
         print(json.dumps(doc))
     else:
-        shown = "".join(printed)  # a held-back partial character, if any, comes out now
-        out((text[len(shown) :] if text.startswith(shown) else "") + "\n")
+        out(stream.finish(text) + "\n")  # a held-back partial character, if any
     say(_generate_summary(result, prefill.name, decode.name))
     return 0
 

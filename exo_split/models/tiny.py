@@ -5,6 +5,7 @@ Mac without torch can build it too. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -20,15 +21,20 @@ _VOWELS = ("a", "e", "i", "o", "u", "ai", "ou")
 
 
 def words(n: int) -> list[str]:
-    """n distinct pronounceable pseudo-words, always the same for the same n."""
-    out: list[str] = []
+    """n distinct pronounceable pseudo-words, always the same for the same n (and the first
+    ones the same for every n): the 112 syllables, then every pair of them, then every
+    triple, ... Each syllable is a consonant onset and a vowel, so a word splits into
+    syllables in one way only: no two words are equal, whatever n (a vocabulary of 32,000)."""
     syllables = [o + v for o in _ONSETS for v in _VOWELS]
-    i = 0
-    while len(out) < n:
-        a, b = divmod(i, len(syllables))
-        out.append(syllables[b] if a == 0 else syllables[a % len(syllables)] + syllables[b])
-        i += 1
-    return out
+    # Pairs in the order they have always had (first syllable 1, 2, ..., 111, then 0), so the
+    # tokenizers of checkpoints built before keep their ids.
+    pairs = (a + b for a in syllables[1:] + syllables[:1] for b in syllables)
+    longer = (
+        "".join(combo)
+        for length in itertools.count(3)
+        for combo in itertools.product(syllables, repeat=length)
+    )
+    return list(itertools.islice(itertools.chain(syllables, pairs, longer), n))
 
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:
