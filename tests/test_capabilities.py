@@ -92,6 +92,14 @@ class ClockedBackend:
         self.now += self.per_step
         self.steps += 1
 
+    def decode(self, cache, first_token, *, max_tokens, sampling, should_stop=None, stats=None):
+        for _ in range(1, max_tokens):  # Backend.decode's contract: should_stop between steps
+            if should_stop is not None and should_stop():
+                return
+            self.step(cache, first_token)
+            stats.steps += 1
+            yield first_token
+
 
 @pytest.mark.parametrize(
     "per_token,per_step,want",

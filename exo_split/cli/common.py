@@ -219,7 +219,10 @@ def run_request(url: str, token: str | None, body: dict, *, stream: bool) -> tup
             say(f"\n[prefill peer failed, prefilling locally: {event.get('reason')}]")
 
     t0 = time.perf_counter()
-    return asyncio.run(run_generate(url, token, body, on_event=on_event, t0=t0))
+    done, ttft = asyncio.run(run_generate(url, token, body, on_event=on_event, t0=t0))
+    if stream:
+        out(done.get("tail", ""))  # an incomplete character the token events held back
+    return done, ttft
 
 
 def _progress_line(event: dict) -> None:

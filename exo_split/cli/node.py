@@ -22,7 +22,11 @@ def add_node(subparsers) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--backend", required=True, choices=("torch", "mlx"))
     p.add_argument("--device", help="torch: cpu or cuda[:N] (default: cuda if present); mlx: cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        help="compute dtype (default float32; a quantized checkpoint: the dtype of its scales)",
+    )
     p.add_argument(
         "--host",
         default="0.0.0.0",

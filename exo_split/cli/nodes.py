@@ -15,7 +15,8 @@ def add_nodes(subparsers) -> None:
         "nodes",
         help="list the exo-split nodes found on the network",
         description="Listen for nodes over mDNS (and ask the --peer addresses) and list them: "
-        "address, backend, device, model, fingerprint, measured speeds, how each was found.",
+        "address, backend, device, model, weights (quantization), fingerprint, measured speeds, "
+        "how each was found.",
     )
     add_discovery_options(p)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -62,13 +63,14 @@ def _print_table(peers) -> None:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD)
-    for col in ("name", "address", "backend", "device", "model", "fingerprint",
+    for col in ("name", "address", "backend", "device", "model", "weights", "fingerprint",
                 "prefill tok/s", "decode tok/s", "found by"):  # fmt: skip
         table.add_column(col, justify="right" if "tok/s" in col else "left")
     for p in peers:
         addr = f"[{p.host}]:{p.port}" if ":" in p.host else f"{p.host}:{p.port}"
-        table.add_row(p.name, addr, p.backend, p.device, p.model, p.fingerprint[:12],
-                      _tps(p.prefill_tps, ".0f"), _tps(p.decode_tps, ".1f"), p.source)  # fmt: skip
+        table.add_row(p.name, addr, p.backend, p.device, p.model, p.quantization or "full",
+                      p.fingerprint[:12], _tps(p.prefill_tps, ".0f"), _tps(p.decode_tps, ".1f"),
+                      p.source)  # fmt: skip
     # Piped output is not cut at 80 columns: a table is read whole or not at all.
     width = None if sys.stdout.isatty() else 200
     Console(file=sys.stdout, highlight=False, width=width).print(table)

@@ -58,6 +58,7 @@ class NodeInfo:
     roles: tuple[str, ...] = ROLES
     prefill_tps: float | None = None  # measured prompt tokens/s; None until measured
     decode_tps: float | None = None  # measured generated tokens/s; None until measured
+    quantization: str | None = None  # the weights' quantization tag ("q4g64-affine"); None: full
 
     def __post_init__(self) -> None:
         for what in ("node_id", "name", "model", "fingerprint"):
@@ -74,6 +75,10 @@ class NodeInfo:
         object.__setattr__(self, "roles", roles)
         object.__setattr__(self, "prefill_tps", _tps(self.prefill_tps, "prefill_tps"))
         object.__setattr__(self, "decode_tps", _tps(self.decode_tps, "decode_tps"))
+        if self.quantization is not None and (
+            not isinstance(self.quantization, str) or not self.quantization
+        ):
+            raise ValueError(f"quantization must be a tag or None, got {self.quantization!r}")
 
     def to_info_dict(self) -> dict[str, Any]:
         """The JSON body of GET /v1/info (`from_info_dict` reads it back)."""
@@ -87,6 +92,7 @@ class NodeInfo:
             "protocol": self.protocol,
             "roles": list(self.roles),
             "capabilities": {"prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps},
+            "quantization": self.quantization,
         }
 
     @classmethod
@@ -104,11 +110,13 @@ class NodeInfo:
         roles = info["roles"]
         if isinstance(roles, str):
             roles = [r for r in roles.split(",") if r]
+        quant = info.get("quantization")  # a node's /v1/info holds the whole description
         return cls(
             **{k: info[k] for k in keys},
             roles=tuple(roles),
             prefill_tps=caps.get("prefill_tps"),
             decode_tps=caps.get("decode_tps"),
+            quantization=quant.get("tag") if isinstance(quant, Mapping) else quant,
         )
 
 
@@ -136,6 +144,7 @@ class PeerInfo:
     prefill_tps: float | None
     decode_tps: float | None
     source: str  # "mdns" | "static" | "both"
+    quantization: str | None = None  # NodeInfo.quantization
     addresses: tuple[str, ...] = ()  # every known address, IPv4 and IPv6; `host` first
     # time.monotonic() when these fields were read; merge_peers keeps the fresher figures.
     seen_at: float = field(default=0.0, compare=False)
@@ -169,6 +178,7 @@ class PeerInfo:
             roles=node.roles,
             prefill_tps=node.prefill_tps,
             decode_tps=node.decode_tps,
+            quantization=node.quantization,
             source=source,
             addresses=_unique((host, *addresses)),
             seen_at=time.monotonic() if seen_at is None else seen_at,
@@ -218,8 +228,11 @@ def merge_peers(*lists: Iterable[PeerInfo]) -> list[PeerInfo]:
 
 
 def _prefill_rank(p: PeerInfo) -> tuple:
-    # Sorted ascending: measured before unknown, faster first, then torch, then cuda.
+    # Sorted ascending: full-precision weights first (the prefill side stays at full
+    # precision: its KV and first token are the quantized decode's starting point), measured
+    # before unknown, faster first, then torch, then cuda.
     return (
+        p.quantization is not None,
         p.prefill_tps is None,
         -(p.prefill_tps or 0.0),
         p.backend != "torch",

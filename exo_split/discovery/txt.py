@@ -13,6 +13,7 @@ TXT record, all values strings:
     roles  comma-separated roles                "prefill,decode"
     ptps   measured prefill tokens/s            "10450.3"  (absent until measured)
     dtps   measured decode tokens/s             "41.2"     (absent until measured)
+    q      the weights' quantization            "q4g64-affine" (absent: full precision)
 
 The auth token never goes into mDNS: `check_txt` refuses token-like keys (and any
 value listed in `never_publish`) on every publish.
@@ -25,7 +26,7 @@ from collections.abc import Iterable, Mapping
 
 from .peers import NodeInfo
 
-TXT_KEYS = ("pv", "id", "name", "be", "dev", "model", "fp", "roles", "ptps", "dtps")
+TXT_KEYS = ("pv", "id", "name", "be", "dev", "model", "fp", "roles", "ptps", "dtps", "q")
 _FORBIDDEN_KEY = re.compile(r"token|auth|secret|passw|credential|api[-_]?key", re.IGNORECASE)
 
 
@@ -66,6 +67,8 @@ def node_txt(node: NodeInfo) -> dict[str, str]:
         txt["ptps"] = _format_tps(node.prefill_tps)
     if node.decode_tps is not None:
         txt["dtps"] = _format_tps(node.decode_tps)
+    if node.quantization is not None:
+        txt["q"] = node.quantization
     return txt
 
 
@@ -90,4 +93,5 @@ def node_from_txt(txt: Mapping[str, str | None]) -> NodeInfo:
         roles=tuple(r for r in (txt["roles"] or "").split(",") if r),
         prefill_tps=txt.get("ptps"),  # type: ignore[arg-type]  # NodeInfo parses
         decode_tps=txt.get("dtps"),  # type: ignore[arg-type]
+        quantization=txt.get("q") or None,
     )

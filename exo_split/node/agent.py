@@ -1,7 +1,8 @@
 """The node agent: one loaded backend, served over HTTP for exactly as long as it runs.
 
-Lifecycle: load the model (the slow part, with progress), measure its speeds (a short
-warm-up, cached per model), bind the port, advertise over mDNS and browse for peers, say so
+Lifecycle: load the model (the slow part, with progress), warm the decode graph (always:
+the first request after a handoff must not pay for kernel builds), measure its speeds (a
+short run, cached per model), bind the port, advertise over mDNS and browse for peers, say so
 in one startup line, serve until SIGINT/SIGTERM, then say goodbye on mDNS, stop accepting,
 finish or cancel what is in flight, and close. All backend work runs on one compute thread,
 never on the event loop.
@@ -48,7 +49,7 @@ class NodeConfig:
     backend: str
     token: str = field(repr=False)
     device: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: the backend's default (float32; quantized: the scales')
     host: str = "127.0.0.1"
     port: int = 0
     peers: tuple[str, ...] = ()  # static peers, "host:port"
@@ -95,6 +96,9 @@ class Node:
         self.chat = ChatTemplate(config.model_dir) if has_chat_template(config.model_dir) else None
         self.spec = self.backend.spec
         self.started = int(time.time())
+        self.quantization = getattr(self.backend, "quantization", None)
+        self.warm_s = self.executor.submit(self.backend.warm).result()
+        self.progress(f"{self._weights()}; decode graph warmed in {self.warm_s:.2f} s")
         self.speeds = self._measure_speeds()
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
         self._info: dict | None = None
@@ -152,6 +156,15 @@ class Node:
         )
         return speeds
 
+    def _weights(self) -> str:
+        b, q = self.backend, self.quantization
+        wired = getattr(b, "wired_bytes", None)
+        return (
+            f"{b.name} on {b.device}, {b.dtype}, "
+            + (f"{q.describe()} ({q.tag})" if q is not None else "full-precision weights")
+            + (f", {wired / 2**30:.1f} GiB wired" if wired else "")
+        )
+
     def node_info(self) -> NodeInfo:
         """What this node advertises (mDNS TXT) and answers on GET /v1/info."""
         return NodeInfo(
@@ -163,6 +176,7 @@ class Node:
             fingerprint=self.spec.fingerprint,
             prefill_tps=self.speeds.prefill_tps if self.speeds else None,
             decode_tps=self.speeds.decode_tps if self.speeds else None,
+            quantization=self.quantization.tag if self.quantization is not None else None,
         )
 
     @property
@@ -184,6 +198,9 @@ class Node:
                 "version": __version__,
                 "protocol": PROTOCOL_VERSION,
                 "dtype": self.backend.dtype,
+                "quantization": self.quantization.to_dict() if self.quantization else None,
+                "warmup_s": self.warm_s,
+                "wired_bytes": getattr(self.backend, "wired_bytes", None),
                 "spec": self.spec.to_dict(),
                 "openai": {"model": self.model_id, "chat": self.chat is not None},
             }
@@ -363,8 +380,9 @@ class Node:
             self.progress(self._mdns_line())
             self.progress(
                 f"exo-split node ready: backend={self.backend.name} device={self.backend.device} "
-                f"dtype={self.backend.dtype} model={self.spec.name} "
-                f"fingerprint={self.spec.fingerprint} at {url}"
+                f"dtype={self.backend.dtype} weights={self.quantization.tag if self.quantization else 'full'} "
+                f"model={self.spec.name} fingerprint={self.spec.fingerprint} at {url} "
+                f"(warm-up {self.warm_s:.2f} s)"
             )
             chat = "chat and completions" if self.chat is not None else "completions (no template)"
             self.progress(f"OpenAI API ({chat}): base_url {url}/v1, model {self.model_id!r}")

@@ -1,5 +1,6 @@
 """What a node can do, measured: its own prefill and decode tokens/s for the loaded model
-(a short warm-up, cached on disk per model fingerprint, backend, device and dtype), and the
+(a short warm-up, cached on disk per model fingerprint, backend, device, dtype and weight
+quantization), and the
 link to a peer (a short authenticated GET /v1/probe that streams N bytes).
 
 The node advertises its speeds (mDNS TXT `ptps`/`dtps`, GET /v1/info `capabilities`); the
@@ -23,14 +24,16 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from exo_split.backends.base import DecodeStats
 from exo_split.errors import PeerUnavailable
 from exo_split.node.policy import LinkEstimate
+from exo_split.sampling import GREEDY
 from exo_split.transport.client import auth_headers
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
 
-CACHE_VERSION = 2  # 2: prefill speed is the short-to-long slope
+CACHE_VERSION = 3  # 2: prefill speed is the short-to-long slope; 3: decode by Backend.decode
 WARMUP_PREFILL_TOKENS = 256
 WARMUP_DECODE_STEPS = 32
 WARMUP_BUDGET_S = 3.0  # whole warm-up, roughly: prefill gets half, decode the rest
@@ -46,7 +49,7 @@ class Speeds:
     prefill_tokens: int  # prompt length of the timed prefill
     decode_steps: int  # decode steps timed
     seconds: float  # wall time of the whole warm-up
-    key: str  # fingerprint-backend-device-dtype it was measured for
+    key: str  # what it was measured for: cache_key()
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": CACHE_VERSION, **asdict(self)}
@@ -75,8 +78,19 @@ def default_cache_dir(environ: Mapping[str, str]) -> Path:
     return Path(base) / "exo-split"
 
 
-def cache_key(fingerprint: str, backend: str, device: str, dtype: str) -> str:
-    return f"{fingerprint}-{backend}-{device}-{dtype}"
+def cache_key(
+    fingerprint: str, backend: str, device: str, dtype: str, quantization: str | None = None
+) -> str:
+    """A 4-bit copy of a model has the model's fingerprint but not its speed."""
+    return f"{fingerprint}-{backend}-{device}-{dtype}" + (
+        f"-{quantization}" if quantization else ""
+    )
+
+
+def backend_key(backend: Any) -> str:
+    quant = getattr(backend, "quantization", None)
+    return cache_key(backend.spec.fingerprint, backend.name, backend.device, backend.dtype,
+                     quant.tag if quant is not None else None)  # fmt: skip
 
 
 def cache_file(cache_dir: Path, key: str) -> Path:
@@ -151,13 +165,16 @@ def measure_speeds(
         prefill_tps = (long - short) / (t_long - t_short)
     else:
         prefill_tps = long / t_long
-    steps, t0 = 0, clock()
+    t0 = clock()
     deadline = t0 + max(budget_s - (t0 - t_start), budget_s / 4)
-    while steps < decode_steps and (steps < 2 or clock() < deadline):
-        backend.step(done.cache, 3 + steps % 100)
-        steps += 1
-    decode_s = clock() - t0
-    key = cache_key(spec.fingerprint, backend.name, backend.device, backend.dtype)
+    stats = DecodeStats()
+    for _ in backend.decode(
+        done.cache, 3 % spec.vocab_size, max_tokens=decode_steps + 1, sampling=GREEDY,
+        should_stop=lambda: stats.steps >= 2 and clock() >= deadline, stats=stats,
+    ):  # fmt: skip
+        pass
+    steps, decode_s = stats.steps, clock() - t0
+    key = backend_key(backend)
     return Speeds(
         prefill_tps=prefill_tps,
         decode_tps=steps / decode_s,
@@ -176,7 +193,7 @@ def node_speeds(
     measure: Callable[[Any], Speeds] = measure_speeds,
 ) -> tuple[Speeds, bool]:
     """(speeds, came from the cache). Measures on a miss (or when asked) and caches."""
-    key = cache_key(backend.spec.fingerprint, backend.name, backend.device, backend.dtype)
+    key = backend_key(backend)
     if cache_dir is not None and not remeasure:
         cached = load_cached(cache_dir, key)
         if cached is not None:
@@ -241,6 +258,7 @@ async def probe_link(
 __all__ = [
     "PROBE_BYTES",
     "Speeds",
+    "backend_key",
     "cache_file",
     "cache_key",
     "default_cache_dir",

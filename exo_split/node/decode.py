@@ -6,6 +6,12 @@ writes into the cache's memory; a frame's CRC is checked on a worker thread as t
 arrives). All backend work runs on the node's single compute thread. If the peer fails
 before END (dies, stalls, sends garbage, runs another model) the partial KV is discarded and
 the prompt prefilled locally, unless the request says `fallback: none`.
+
+After the handoff the whole decode is one job on the compute thread (`Backend.decode`), its
+tokens reaching the event loop in batches (node/tokens.py); each token's text comes from an
+incremental detokenizer. The decode stops after an end-of-turn token, at max_tokens, when
+the caller's `until` says so (stop strings), or when the request is cancelled (the client
+left); the `done` event says which of the first three (`stopped_by`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -24,7 +31,7 @@ from typing import NamedTuple
 
 import aiohttp
 
-from exo_split.backends.base import Backend
+from exo_split.backends.base import Backend, DecodeStats
 from exo_split.chat import ChatTemplate
 from exo_split.errors import (
     AuthError,
@@ -36,6 +43,7 @@ from exo_split.errors import (
 )
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.receive import STAGED_FRAMES, open_sink
+from exo_split.node.tokens import Batch, decode_events
 from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
 from exo_split.sampling import sample
 from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
@@ -48,6 +56,7 @@ from exo_split.transport.messages import GenerateRequest, PrefillRequest
 log = logging.getLogger(__name__)
 clock = time.perf_counter
 Emit = Callable[[dict], Awaitable[None]]
+EmitMany = Callable[[list[dict]], Awaitable[None]]  # several events, in order, in one write
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
 
 
@@ -138,21 +147,26 @@ class Coordinator:
         *,
         arrived: float,
         prompt_ids: list[int] | None = None,
+        emit_many: EmitMany | None = None,
         until: Callable[[], bool] | None = None,
     ) -> dict:
         """Run one request, emitting token events; returns the final `done` event.
 
-        `prompt_ids`: the request's ids when the caller has already tokenized it. `until`
-        is asked after each token: True ends the generation there, as an end-of-turn token
-        would (the OpenAI layer's stop strings), and the `done` event still comes.
+        `prompt_ids`: the request's ids when the caller has already tokenized it.
+        `emit_many`, if given, takes each batch of token events in one call (one write);
+        without it every event goes through `emit`. `until` is asked after each token's event
+        has been emitted (then through `emit`, one by one): True ends the generation there,
+        as an end-of-turn token would, and the `done` event still comes.
 
         Cancelling it (the client went away) closes the stream from the prefill peer, which
-        stops that prefill, stops a local prefill at its next layer, and returns once the
-        compute thread has let go of this request's KV.
+        stops that prefill, stops a local prefill at its next layer or the decode at its next
+        step, and returns once the compute thread has let go of this request's KV.
         """
         stop = threading.Event()
         try:
-            return await self._generate(req, emit, arrived, stop, prompt_ids, until)
+            return await self._generate(
+                req, emit, arrived, stop, prompt_ids, emit_many, until
+            )
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
@@ -166,21 +180,37 @@ class Coordinator:
         emit: Emit,
         arrived: float,
         stop: threading.Event,
-        prompt_ids: list[int] | None = None,
-        until: Callable[[], bool] | None = None,
+        prompt_ids: list[int] | None,
+        emit_many: EmitMany | None,
+        until: Callable[[], bool] | None,
     ) -> dict:
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenize(req)
-        ended = until or (lambda: False)
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
         tokens: list[int] = []
         times: list[float] = []
 
-        async def emit_token(token: int) -> None:
-            tokens.append(token)
-            times.append(clock())
-            await emit({"type": "token", "id": token, "text": stream.push(token)})
+        async def emit_tokens(batch: Batch) -> bool:
+            """Record and emit these tokens; False once `until` has ended the generation
+            (the tokens after that one are dropped)."""
+            if until is None and emit_many is not None:
+                for token, at in batch:
+                    tokens.append(token)
+                    times.append(at)
+                await emit_many([self._token_event(t, stream) for t, _ in batch])
+                return True
+            for token, at in batch:
+                tokens.append(token)
+                times.append(at)
+                await emit(self._token_event(token, stream))
+                if until is not None and until():
+                    return False
+            return True
 
+        async def emit_token(token: int) -> None:
+            ended[0] = not await emit_tokens([(token, clock())])
+
+        ended = [False]
         peer, decision = await self.choose_peer(req, len(ids))
         remote, fallback, cache = None, None, None
         if peer is not None:
@@ -211,26 +241,63 @@ class Coordinator:
             if not tokens:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
         local_end = clock()
-        token = tokens[0]
-        for step in range(1, req.max_tokens):
-            if token in self.codec.eos_ids or ended():
-                break
-            logits = await self._run(self.backend.step, cache, token)
-            token = sample(logits, req.sampling, step)[0]
-            await emit_token(token)
+        stats = DecodeStats()
+        if not ended[0]:
+            ended[0] = not await self._decode(cache, tokens[0], req, stop, stats, emit_tokens)
         del cache
+        stopped_by = (
+            "until" if ended[0]
+            else "end_of_turn" if tokens[-1] in self.codec.eos_ids
+            else "max_tokens"
+        )  # fmt: skip
         timeline = self._timeline(
             ids, remote, fallback, decision, arrived, (local_start, local_end), times, req
         )
+        timeline = dataclasses.replace(timeline, decode=self._decode_info(stats, stopped_by))
         report = to_json(build_report(timeline))
-        stopped = tokens[-1] in self.codec.eos_ids or ended()
+        text = self.codec.detokenize(tokens)
         return {
             "type": "done",
             "tokens": tokens,
-            "text": self.codec.detokenize(tokens),
+            "text": text,
+            "tail": stream.finish(text),
             "prompt_tokens": len(ids),
-            "finish_reason": "stop" if stopped else "length",  # stop: end of turn or `until`
+            "stopped_by": stopped_by,
+            "finish_reason": "length" if stopped_by == "max_tokens" else "stop",
             "report": report,
+        }
+
+    async def _decode(self, cache, first: int, req, stop, stats, emit_tokens) -> bool:
+        """Decode after the first token as one compute job; False if `until` ended it."""
+
+        def steps(should_stop: Callable[[], bool]):
+            return self.backend.decode(
+                cache, first, max_tokens=req.max_tokens, sampling=req.sampling,
+                stop_ids=self.codec.eos_ids,
+                should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
+            )  # fmt: skip
+
+        async with contextlib.aclosing(decode_events(self.executor, steps)) as batches:
+            async for batch in batches:
+                if not await emit_tokens(batch):
+                    return False
+        return True
+
+    def _token_event(self, token: int, stream: TextStream) -> dict:
+        return {"type": "token", "id": token, "text": stream.push(token)}
+
+    def _decode_info(self, stats: DecodeStats, stopped_by: str) -> dict:
+        """The report's account of the decode side: what ran, how the picks went, why it ended."""
+        quant = getattr(self.backend, "quantization", None)
+        return {
+            "backend": self.backend.name,
+            "device": self.backend.device,
+            "dtype": self.backend.dtype,
+            "quantization": quant.to_dict() if quant is not None else None,
+            "steps": stats.steps,
+            "host_checked": stats.checked,
+            "host_corrected": stats.corrected,
+            "stopped_by": stopped_by,
         }
 
     async def _remote_with_retries(self, peer, req, ids, capacity, remote, emit, emit_token):

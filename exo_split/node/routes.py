@@ -193,6 +193,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         async def emit(event: dict) -> None:
             await write(json.dumps(event).encode() + b"\n")
 
+        async def emit_many(events: list[dict]) -> None:  # the tokens of a batch: one write
+            await write(b"".join(json.dumps(e).encode() + b"\n" for e in events))
+
         async def heartbeat() -> None:
             """Keeps the client's idle timeout for a dead node, not a long local prefill."""
             if write.silent_for() >= HEARTBEAT_S:
@@ -200,7 +203,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
         state.count("generates")
         try:
-            work = state.coordinator.generate(req, emit, arrived=arrived, prompt_ids=ids)
+            work = state.coordinator.generate(
+                req, emit, arrived=arrived, prompt_ids=ids, emit_many=emit_many
+            )
             done = await while_connected(request, work, on_lost=lambda: None, tick=heartbeat)
             if done["report"].get("fallback"):
                 state.count("fallbacks")

@@ -15,6 +15,7 @@ from exo_split.report.text import (
     COMPARISON_COLUMNS,
     comparison_cells,
     decision_text,
+    decode_text,
     figure_pairs,
     fmt_bytes,
     fmt_ms,
@@ -229,6 +230,8 @@ def _section(
         parts.append(f'<p class="note fallback">fallback: {escape(tl.fallback)}</p>')
     if tl.decision:
         parts.append(f'<p class="note">decision: {escape(decision_text(tl.decision))}</p>')
+    if tl.decode:
+        parts.append(f'<p class="note">decode: {escape(decode_text(tl.decode))}</p>')
     parts += [_timeline_svg(r, axis, tokens_to), _legend()]
     return f'<section class="report" data-mode="{escape(tl.mode)}">{"".join(parts)}</section>'
 

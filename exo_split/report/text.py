@@ -111,8 +111,32 @@ def decision_text(decision: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def decode_text(decode: Mapping[str, Any]) -> str:
+    """One line: what decoded (backend, device, dtype, weights), how the sampled picks went,
+    and why the decode stopped."""
+    q = decode.get("quantization")
+    weights = (
+        f"{q['bits']}-bit {q['mode']} weights (groups of {q['group_size']})"
+        if isinstance(q, Mapping)
+        else "full-precision weights"
+    )
+    parts = [f"{decode.get('backend')} on {decode.get('device')}, {decode.get('dtype')}, {weights}"]
+    if decode.get("host_checked"):
+        parts.append(
+            f"{decode['host_checked']} of {decode.get('steps')} sampled picks redone by the host "
+            f"rule, {decode.get('host_corrected', 0)} changed"
+        )
+    if decode.get("stopped_by"):
+        parts.append(f"stopped by {str(decode['stopped_by']).replace('_', ' ')}")
+    return "; ".join(parts)
+
+
 def _notes(tl: Timeline, width: int) -> list[str]:
     notes = []
+    if tl.decode:
+        notes.append(
+            textwrap.fill(f"decode: {decode_text(tl.decode)}", width, subsequent_indent="  ")
+        )
     if tl.fallback:
         notes.append(textwrap.fill(f"fallback: {tl.fallback}", width, subsequent_indent="  "))
     if tl.decision:

@@ -66,6 +66,9 @@ class Timeline:
     client_ttft_s: float | None = None
     fallback: str | None = None
     decision: dict | None = None
+    # The decode side: backend, device, dtype, quantization (its to_dict, or None), steps,
+    # host_checked / host_corrected (sampled picks redone by the host rule), stopped_by.
+    decode: dict | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
