@@ -28,7 +28,8 @@ def add_check(subparsers) -> None:
     p.add_argument(
         "--decode-model",
         metavar="DIR2",
-        help="load the decode side from another directory (the two machines' copies)",
+        help="load the decode side from another directory (the two machines' copies); an "
+        "mlx_lm.convert 4/8-bit copy of --model is checked against mlx-lm running it alone",
     )
     p.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="default 16")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -62,8 +63,11 @@ def cmd_check(args) -> int:
 
 
 def _print_check(report: CheckReport) -> None:
-    console = Console(file=sys.stdout, highlight=False)
+    # Piped output is not cut at 80 columns: the table is read whole or not at all.
+    console = Console(file=sys.stdout, highlight=False, width=None if sys.stdout.isatty() else 160)
     decode_dir = f"  (decode side: {report.decode_model_dir})" if report.decode_model_dir else ""
+    if report.decode_quantization:
+        decode_dir += f", {report.decode_quantization['tag']}"
     console.print(f"model: {report.model_dir}{decode_dir}", markup=False)
     console.print(
         f"{report.dtype}, prompts of {', '.join(map(str, report.prompt_lengths))} tokens, "
@@ -74,7 +78,12 @@ def _print_check(report: CheckReport) -> None:
     lines = [
         "= alone: greedy tokens equal the decode backend run alone; = HF: equal transformers "
         "generate() (no @i: first differing position); top-1, max Δ: teacher-forced vs the "
-        "reference's logits; prefill Δ: max |logit diff| of generated token 0",
+        "reference's logits; prefill Δ: max |logit diff| of generated token 0"
+        + (
+            "; q-alone: the same vs mlx-lm running the quantized checkpoint alone"
+            if report.decode_quantization
+            else ""
+        ),
         f"bar: {report.bar}",
         *(f"{p.name}: {p.reason}" for p in report.failing),
         *(f"skipped {s}" for s in report.skipped),
@@ -85,8 +94,10 @@ def _print_check(report: CheckReport) -> None:
 
 
 def _check_table(report: CheckReport) -> Table:
-    # Token agreement is the bar in float32 only: in half precision it is informational.
-    style = "red" if report.dtype == "float32" else "yellow"
+    # Token agreement is the bar in float32 only: in half precision, or with a quantized
+    # decode side, it is informational.
+    quantized = report.decode_quantization is not None
+    style = "red" if report.dtype == "float32" and not quantized else "yellow"
 
     def agree(p, against: str, agrees: bool | None) -> str:
         if agrees is None:
@@ -97,17 +108,23 @@ def _check_table(report: CheckReport) -> Table:
         return "n/a" if x is None else format(x, fmt)
 
     table = Table(box=box.SIMPLE_HEAD)
-    for col in ("pairing", "= alone", "= HF", "top-1", "max Δ", "prefill Δ", "result"):
+    columns = ["pairing", "= alone", "= HF", "top-1", "max Δ", "prefill Δ"]
+    columns += ["top-1 q-alone", "max Δ q-alone"] if quantized else []
+    for col in (*columns, "result"):
         table.add_column(col, justify="left" if col in ("pairing", "result") else "right")
     for p in report.pairings:
-        top1 = p.top1_agreement
-        table.add_row(
+        cells = [
             p.name,
             agree(p, "baseline", p.agrees_with_baseline),
             agree(p, "reference", p.agrees_with_reference),
-            "n/a" if top1 is None else f"{top1:.1%}",
+            num(p.top1_agreement, ".1%"),
             num(p.max_logit_diff, ".2e"),
             num(p.first_logit_diff, ".2e"),
-            "[green]pass[/]" if p.passed else "[red]FAIL[/]",
-        )
+        ]
+        if quantized:
+            cells += [
+                num(p.top1_vs_decode_alone, ".1%"),
+                num(p.max_logit_diff_vs_decode_alone, ".2e"),
+            ]
+        table.add_row(*cells, "[green]pass[/]" if p.passed else "[red]FAIL[/]")
     return table
