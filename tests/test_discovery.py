@@ -49,6 +49,7 @@ from exo_split.discovery import (
     parse_peer,
     parse_peers,
     peers_from_env,
+    prefill_candidates,
     probe_static,
 )
 from exo_split.discovery.addresses import pick_host
@@ -228,6 +229,20 @@ def test_info_dict_and_txt_round_trip() -> None:
         node_from_txt({**txt, "be": "jax"})
     with pytest.raises(ValueError, match="prefill_tps must be a finite"):
         node(prefill_tps=float("nan"))
+    # A quantized decode node says so in both; a node's /v1/info holds the whole description.
+    q = node(backend="mlx", device="metal", quantization="q4g64-affine")
+    assert node_txt(q)["q"] == "q4g64-affine" and node_from_txt(node_txt(q)) == q
+    info = {**q.to_info_dict(), "quantization": {"bits": 4, "tag": "q4g64-affine"}}
+    assert NodeInfo.from_info_dict(info) == q and "q" not in txt
+
+
+def test_the_prefill_role_prefers_full_precision_weights() -> None:
+    quick_q4 = peer("q" * 32, backend="mlx", prefill_tps=9000.0, quantization="q4g64-affine")
+    slow_full = peer("f" * 32, backend="mlx", prefill_tps=500.0)
+    assert [p.node_id for p in prefill_candidates([quick_q4, slow_full], FP)] == [
+        "f" * 32,
+        "q" * 32,
+    ]
 
 
 @pytest.mark.parametrize("key", ["token", "auth", "AUTH_TOKEN", "secret", "password", "apikey"])
