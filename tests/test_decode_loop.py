@@ -214,3 +214,32 @@ def test_torch_decodes_with_the_same_contract(llama, mlx_llama):
                                    stats=stats))  # fmt: skip
         assert ours == serial(torch_b, ids, first, n, sampling) and stats.steps == n - 1
     assert torch_b.warm() > 0 and torch_b.quantization is None
+
+
+_WORKER_EXIT = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from exo_split.backends import load_backend
+from exo_split.sampling import Sampling
+
+compute = ThreadPoolExecutor(1)
+backend = compute.submit(load_backend, "mlx", sys.argv[1], device="cpu").result()
+
+def decode():
+    cache = backend.prefill(list(range(3, 40)), capacity=80).cache
+    return list(backend.decode(cache, 5, max_tokens=30, sampling=Sampling(0.8)))
+
+compute.submit(decode).result()
+compute.submit(backend.close).result()
+compute.shutdown()
+"""
+
+
+def test_a_process_whose_worker_thread_decoded_exits_cleanly_after_close(llama):
+    """MLX's streams made on a worker thread can abort the process at exit (`terminate
+    called without an active exception`, 134: most runs without close()); after close() on
+    that thread, every run exits 0."""
+    for _ in range(4):
+        out = subprocess.run([sys.executable, "-c", _WORKER_EXIT, str(llama)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-2000:]

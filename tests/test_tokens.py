@@ -31,7 +31,9 @@ def compute():
 @pytest.fixture(scope="module")
 def backend(llama, compute):
     # Loaded on the thread that runs it, as the node does (MLX streams belong to a thread).
-    return compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    loaded = compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    yield loaded
+    compute.submit(loaded.close).result()  # before the thread exits, as the node does
 
 
 def _cache(backend, compute, n_prompt=20, capacity=200):

@@ -117,6 +117,11 @@ class Backend(Protocol):
         compilation); seconds taken. Called once at node start."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend holds on the calling thread (MLX: its streams); run on
+        the compute thread before it exits."""
+        ...
+
     def export(self, cache: Any) -> list[LayerKV]:
         """The cache's KV, one LayerKV per layer."""
         ...

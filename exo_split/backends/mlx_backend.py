@@ -269,6 +269,10 @@ class MLXBackend:
             stop_ids=stop_ids, should_stop=should_stop, stats=stats,
         )  # fmt: skip
 
+    def close(self) -> None:
+        """On the compute thread, before it exits: MLX's streams go cleanly."""
+        mlx_decode.release_thread()
+
     def warm(self) -> float:
         """Wire Metal's memory (once), then run the decode loop on scratch caches."""
         self.wired_bytes = mlx_decode.wire_memory(self.model)

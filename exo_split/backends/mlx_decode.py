@@ -59,6 +59,18 @@ def decode_stream() -> mx.Stream:
     return _streams[key]
 
 
+def release_thread() -> None:
+    """Before a thread that ran MLX work exits (the node's compute thread at shutdown): let
+    its work finish and destroy the streams it made. Left to thread or process teardown,
+    MLX may destroy a stream's worker while it is joinable, and the process aborts with
+    `terminate called without an active exception` (exit 134)."""
+    for stream in _streams.values():
+        mx.synchronize(stream)
+    mx.synchronize()
+    mx.clear_streams()
+    _streams.clear()
+
+
 def blocked_cumsum(x: mx.array, block: int) -> mx.array:
     """Inclusive cumulative sum over the last axis of [N, V], as scans of `block`-long rows
     plus a (recursively blocked) scan of the row totals. A sequential float32 scan of V

@@ -228,6 +228,9 @@ class TorchBackend:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.torch_device)
         return self._run(ids, cache).float().cpu().numpy()
 
+    def close(self) -> None:
+        """Nothing is held per thread."""
+
     def warm(self) -> float:
         """A short prefill and two steps: library initialisation (cuBLAS handles, kernel
         selection) is paid here, not by the first request."""
