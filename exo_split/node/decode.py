@@ -164,9 +164,7 @@ class Coordinator:
         """
         stop = threading.Event()
         try:
-            return await self._generate(
-                req, emit, arrived, stop, prompt_ids, emit_many, until
-            )
+            return await self._generate(req, emit, arrived, stop, prompt_ids, emit_many, until)
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
