@@ -34,6 +34,7 @@ from pathlib import Path
 from exo_split.bench import scale
 from exo_split.bench.figures import Point, Run, layer_compute_s, render_card, summarize
 from exo_split.bench.lab import BenchError, Lab, Progress
+from exo_split.bench.prompts import prompt_ids
 
 # Per-layer compute of a few ms (128 tokens) to ~150 ms (4,096 tokens) on one CPU core.
 BENCH_CONFIG = {
@@ -179,14 +180,6 @@ def bench_model(config_overrides: dict, progress: Progress, tag: str = "") -> Pa
     if not out.exists():
         tmp.rename(out)
     return out
-
-
-def prompt_ids(n: int, vocab_size: int) -> list[int]:
-    """n token ids: BOS, then a fixed pseudo-random sequence (no specials)."""
-    import numpy as np
-
-    rng = np.random.default_rng(n)
-    return [1, *(int(t) for t in rng.integers(3, vocab_size, n - 1))]
 
 
 # ---- measuring --------------------------------------------------------------------------------

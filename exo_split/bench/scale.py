@@ -125,7 +125,7 @@ def measure(bench, lengths: tuple[int, ...], repeats: int) -> tuple[list[ScalePo
             loads.append(os.getloadavg())
     lab.shape(None)
     measured = [p for p in points.values() if p.samples["unshaped"]]
-    from exo_split.bench.run import prompt_ids
+    from exo_split.bench.prompts import prompt_ids
 
     for pt in measured:  # after the timed part: this process computes, the nodes are idle
         bench.progress(f"real-size KV: transformers' tokens for {pt.prompt_tokens:,} tokens")
