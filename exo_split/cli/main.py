@@ -1,7 +1,7 @@
 """The `exo-split` command line: the parser and `main`.
 
-One module per command in this package (generate, check, node, split, nodes, report, bench,
-demo, convert), each a pair: `add_<cmd>(subparsers)` declares its arguments and
+One module per command in this package (generate, check, node, split, chat, nodes, report,
+bench, demo, convert), each a pair: `add_<cmd>(subparsers)` declares its arguments and
 `cmd_<cmd>(args) -> int` runs it by calling into the package and printing what it returns.
 `main` turns an ExoSplitError (and a usage error) into one line on stderr, exit 2; Ctrl-C into
 one line, exit 130. Tracebacks only with --debug. Nothing outside cli/ imports it.
@@ -18,7 +18,18 @@ import traceback
 from collections.abc import Sequence
 
 from exo_split import __version__
-from exo_split.cli import bench, check, convert, demo, generate, node, nodes, report, split
+from exo_split.cli import (
+    bench,
+    chat,
+    check,
+    convert,
+    demo,
+    generate,
+    node,
+    nodes,
+    report,
+    split,
+)
 from exo_split.cli.common import PROG, UsageError, error_lines
 from exo_split.errors import ExoSplitError
 
@@ -35,6 +46,7 @@ COMMANDS = (
     check.add_check,
     node.add_node,
     split.add_split_generate,
+    chat.add_chat,
     nodes.add_nodes,
     demo.add_demo,
     report.add_report,

@@ -18,7 +18,7 @@ from exo_split.cli.common import (
     with_client_ttft,
     write_html,
 )
-from exo_split.cli.discover import add_discovery_options, find_roles
+from exo_split.cli.discover import Roles, add_discovery_options, find_roles
 from exo_split.errors import ExoSplitError
 from exo_split.report import compare, to_json
 from exo_split.report.text import render_comparison, render_terminal
@@ -52,26 +52,7 @@ def add_split_generate(subparsers) -> None:
         "message; generation stops at the end of the assistant's turn",
     )
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message first")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--decode-peer", metavar="HOST:PORT", help="the decode node (default: find the nodes)"
-    )
-    p.add_argument("--prefill-peer", metavar="HOST:PORT", help="the prefill node")
-    p.add_argument(
-        "--prefill",
-        choices=("auto", "remote", "local"),
-        default="auto",
-        help="auto (default): remote only when its estimated TTFT beats a local prefill",
-    )
-    add_discovery_options(p)
-    p.add_argument(
-        "--fingerprint", metavar="PREFIX", help="with several models around: the one to use"
-    )
-    p.add_argument("--prefill-chunk", type=int, help="prefill this many tokens at a time")
-    p.add_argument("--no-overlap", action="store_true", help="send KV only after the whole prefill")
-    p.add_argument("--fallback", choices=("local", "none"), default="local")
+    add_request_options(p)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.add_argument(
         "--compare",
@@ -79,33 +60,16 @@ def add_split_generate(subparsers) -> None:
         help="also run the request sequentially (no overlap) and locally; show all three",
     )
     p.add_argument("--report-html", type=Path, metavar="FILE", help="write the report as HTML")
-    add_token_option(p)
     p.set_defaults(func=cmd_split_generate)
 
 
 def cmd_split_generate(args) -> int:
-    from exo_split.node.agent import peer_url
-    from exo_split.transport.auth import resolve_token
-
     prompt = prompt_body(args)  # bad --chat/--system/--messages: an error before any network
-    token, _ = resolve_token(args.token_file, dict(os.environ), create=False)
-    decode, roles = args.decode_peer, None
-    if decode is None:  # find the nodes: mDNS and --peer / $EXO_SPLIT_PEERS
-        roles = find_roles(args, token)
-        decode = roles.decode_url
-    body = {
-        **prompt,
-        "max_tokens": args.max_tokens,
-        "sampling": {"temperature": args.temperature, "seed": args.seed},
-        "prefill_peer": args.prefill_peer or (roles.prefill_url if roles else None),
-        "prefill": args.prefill,
-        "overlap": not args.no_overlap,
-        "chunk": args.prefill_chunk,
-        "fallback": args.fallback,
-    }
+    decode, token, roles = find_decode(args)
+    body = {**prompt, **request_options(args, roles)}
     if args.compare:
-        return split_compare(args, peer_url(decode), token, body)
-    done, ttft = run_request(peer_url(decode), token, body, stream=not args.json)
+        return split_compare(args, decode, token, body)
+    done, ttft = run_request(decode, token, body, stream=not args.json)
     report = with_client_ttft(done["report"], ttft)
     if args.json:
         doc = {k: done[k] for k in ("tokens", "text", "prompt_tokens", "finish_reason")}
@@ -186,3 +150,69 @@ def read_messages(text: str, source: str) -> list[dict[str, str]]:
     if isinstance(doc, dict) and "messages" in doc:
         doc = doc["messages"]
     return check_messages(doc)
+
+
+# ---- what split-generate and chat share: the request's options and the nodes --------------
+
+
+def add_request_options(p, *, max_tokens: int = 64) -> None:
+    """The options of a request through a decode node (split-generate, chat): generation,
+    sampling, the nodes and how the prefill runs, the token."""
+    p.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"at most (default {max_tokens})"
+    )
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--decode-peer", metavar="HOST:PORT", help="the decode node (default: find the nodes)"
+    )
+    p.add_argument("--prefill-peer", metavar="HOST:PORT", help="the prefill node")
+    p.add_argument(
+        "--prefill",
+        choices=("auto", "remote", "local"),
+        default="auto",
+        help="auto (default): remote only when its estimated TTFT beats a local prefill",
+    )
+    add_discovery_options(p)
+    p.add_argument(
+        "--fingerprint", metavar="PREFIX", help="with several models around: the one to use"
+    )
+    p.add_argument("--prefill-chunk", type=int, help="prefill this many tokens at a time")
+    p.add_argument("--no-overlap", action="store_true", help="send KV only after the whole prefill")
+    p.add_argument("--fallback", choices=("local", "none"), default="local")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="neither node reuses a cached prefix of the prompt or keeps this request's KV "
+        "(to measure without reuse)",
+    )
+    add_token_option(p)
+
+
+def find_decode(args) -> tuple[str, str | None, Roles | None]:
+    """(the decode node's URL, the shared token, the nodes found or None): --decode-peer, or
+    the nodes found by mDNS and --peer / $EXO_SPLIT_PEERS."""
+    from exo_split.node.agent import peer_url
+    from exo_split.transport.auth import resolve_token
+
+    token, _ = resolve_token(args.token_file, dict(os.environ), create=False)
+    if args.decode_peer is not None:
+        return peer_url(args.decode_peer), token, None
+    roles = find_roles(args, token)
+    return peer_url(roles.decode_url), token, roles
+
+
+def request_options(args, roles: Roles | None) -> dict:
+    """The body of a generate request, less its prompt."""
+    body = {
+        "max_tokens": args.max_tokens,
+        "sampling": {"temperature": args.temperature, "seed": args.seed},
+        "prefill_peer": args.prefill_peer or (roles.prefill_url if roles else None),
+        "prefill": args.prefill,
+        "overlap": not args.no_overlap,
+        "chunk": args.prefill_chunk,
+        "fallback": args.fallback,
+    }
+    if args.no_prefix_cache:  # absent otherwise: the node's default (reuse)
+        body["prefix_cache"] = False
+    return body
