@@ -56,8 +56,12 @@ class Backend(Protocol):
         on_layer: OnLayer | None = None,
         should_stop: Callable[[], bool] | None = None,
         capacity: int | None = None,
+        cache: Any = None,
+        emit_from: int = 0,
     ) -> Prefilled:
-        """Run the prompt; hand each (chunk, layer) KV piece to `on_layer` as soon as that
+        """Run the prompt (`cache`: on top of a cache that already holds its first k < n
+        positions, computing only the rest; `emit_from`: hand on only positions
+        [emit_from, n), the cached [emit_from, k) of every layer first); hand each (chunk, layer) KV piece to `on_layer` as soon as that
         layer has produced it (host memory, storage dtype of kv.py), chunk-major, then layer,
         then consecutive token ranges (a backend may split a chunk's layer into several).
 
@@ -76,8 +80,9 @@ class Backend(Protocol):
         *,
         chunk: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        start_pos: int = 0,
     ) -> None:
-        """Hand an existing cache's KV (after a prefill) to `on_layer` the way `prefill` does:
+        """Hand an existing cache's KV (from `start_pos` on) (after a prefill) to `on_layer` the way `prefill` does:
         chunk-major in ranges of `chunk` positions (None: whole layers), then layer. For the
         sequential mode: staging memory stays bounded as during an overlapped prefill."""
         ...
@@ -126,7 +131,27 @@ class Backend(Protocol):
         """The cache's KV, one LayerKV per layer."""
         ...
 
-    def cache_len(self, cache: Any) -> int: ...
+    def cache_len(self, cache: Any) -> int:
+        """The positions every layer holds."""
+        ...
+
+    # Prefix reuse (node/prefix.py). Run on the compute thread.
+
+    def trim(self, cache: Any, n: int) -> None:
+        """Keep positions [0, n) of every layer (only the length moves)."""
+        ...
+
+    def reserve(self, cache: Any, capacity: int) -> None:
+        """Room for `capacity` positions: one copy of the layers that are smaller."""
+        ...
+
+    def fork(self, cache: Any, n: int, capacity: int) -> Any:
+        """A new cache holding a copy of positions [0, n), with room for `capacity`."""
+        ...
+
+    def cache_nbytes(self, cache: Any) -> int:
+        """Bytes the cache's buffers take (their capacity, not the length used)."""
+        ...
 
 
 class Cancelled(Exception):

@@ -98,6 +98,16 @@ class _StreamingKVCache(KVCache):
         return super().update_and_fetch(keys, values)
 
 
+def _streaming(c: KVCache, layer: int, hook) -> _StreamingKVCache:
+    """A cache layer that calls `hook`: the same arrays (no copy) in a _StreamingKVCache."""
+    if not isinstance(c, _StreamingKVCache):
+        s = _StreamingKVCache(layer, hook)
+        s.keys, s.values, s.offset = c.keys, c.values, c.offset
+        return s
+    c.hook = hook
+    return c
+
+
 def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
 
@@ -126,12 +136,18 @@ class MLXBackend:
         on_layer: OnLayer | None = None,
         should_stop: Callable[[], bool] | None = None,
         capacity: int | None = None,
+        cache: list[KVCache] | None = None,
+        emit_from: int = 0,
     ) -> Prefilled:
         """Chunks of `chunk` positions (default PREFILL_CHUNK); pieces are zero-copy views of
         each layer's new K/V, handed on from the compute thread. Not views of the cache: a
         view held by the sender would make MLX copy the whole layer buffer at the next chunk's
         update (it writes in place only when nothing else references the buffer). So pieces
-        in flight cost their own memory, unbounded on a link slower than the compute."""
+        in flight cost their own memory, unbounded on a link slower than the compute.
+
+        `cache`: resume on a cache that holds the first k positions (prefix reuse): only
+        ids[k:] are computed, in chunks from k. `emit_from`: `on_layer` sees positions
+        [emit_from, n) only; the cached [emit_from, k) of every layer go first (copies)."""
         n = len(token_ids)
         step = chunk or PREFILL_CHUNK
         position = [0]
@@ -144,16 +160,30 @@ class MLXBackend:
             mx.eval(k, v)
             at = clock()
             cache[layer].computed.append((position[0] + k.shape[2], at))
-            if on_layer is not None:
-                kv = LayerKV(layer, position[0], host_view(k[0]), host_view(v[0]), self.dtype, at)
+            skip = max(0, emit_from - position[0])
+            if on_layer is not None and skip < k.shape[2]:
+                k, v = (k, v) if not skip else (k[:, :, skip:], v[:, :, skip:])
+                kv = LayerKV(layer, position[0] + skip, host_view(k[0]), host_view(v[0]),
+                             self.dtype, at)  # fmt: skip
                 on_layer(kv)
 
-        cache = [_StreamingKVCache(i, hook) for i in range(self.spec.n_layers)]
-        if capacity:
-            self._preallocate(cache, capacity)
+        if cache is None:
+            cache = [_StreamingKVCache(i, hook) for i in range(self.spec.n_layers)]
+            if capacity:
+                self._preallocate(cache, capacity)
+        else:
+            cache = [_streaming(c, i, hook) for i, c in enumerate(cache)]
+            self.reserve(cache, max(n, capacity or 0))
+        cached = self.cache_len(cache)
+        if not (0 <= emit_from < n and cached < n):
+            raise ValueError(f"need emit_from ({emit_from}) < n ({n}) and cached ({cached}) < n")
+        if on_layer is not None and emit_from < cached:  # the cached part the receiver lacks
+            for i, c in enumerate(cache):
+                k, v = (to_numpy(a[0, :, emit_from:cached]) for a in (c.keys, c.values))
+                on_layer(LayerKV(i, emit_from, k, v, self.dtype, clock()))
         ids = mx.array([[int(t) for t in token_ids]])
         try:
-            for start in range(0, n, step):
+            for start in range(cached, n, step):
                 position[0] = start
                 hidden = self._hidden(ids[:, start : start + step], cache)
                 mx.eval([(c.keys, c.values) for c in cache])
@@ -188,11 +218,13 @@ class MLXBackend:
         *,
         chunk: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        start_pos: int = 0,
     ) -> None:
-        """Zero-copy views of the cache, chunk-major, then layer, from the calling thread."""
+        """Zero-copy views of the cache from `start_pos` on, chunk-major, then layer, from the
+        calling thread."""
         n = cache[0].offset
-        step = chunk or n
-        for start in range(0, n, step):
+        step = chunk or max(1, n - start_pos)
+        for start in range(start_pos, n, step):
             end = min(start + step, n)
             for i, c in enumerate(cache):
                 if should_stop is not None and should_stop():
@@ -211,7 +243,7 @@ class MLXBackend:
         mx.eval([(c.keys, c.values) for c in cache])
 
     def new_cache(self, capacity: int) -> list[KVCache]:
-        cache = [KVCache() for _ in range(self.spec.n_layers)]
+        cache = [_StreamingKVCache(i, None) for i in range(self.spec.n_layers)]
         self._preallocate(cache, capacity)
         return cache
 
@@ -286,7 +318,45 @@ class MLXBackend:
         return out
 
     def cache_len(self, cache: list[KVCache]) -> int:
-        return cache[0].offset
+        return min(c.offset for c in cache)
+
+    # ---- prefix reuse (node/prefix.py): only offsets move, or one copy ----
+
+    def trim(self, cache: list[KVCache], n: int) -> None:
+        for c in cache:
+            if n > c.offset:
+                raise ValueError(f"cannot trim a layer of {c.offset} positions to {n}")
+            c.offset = n  # the bytes past it stay, to be overwritten by the next write
+            if isinstance(c, _StreamingKVCache):
+                c.computed = [(e, t) for e, t in c.computed if e <= n]
+
+    def reserve(self, cache: list[KVCache], capacity: int) -> None:
+        """Room for `capacity` positions: one copy of each layer that is smaller (mlx-lm
+        would grow 256 positions at a time, a copy each)."""
+        grew = []
+        for c in cache:
+            if c.keys is not None and c.keys.shape[2] >= capacity:
+                continue
+            old = (c.keys, c.values)
+            self._preallocate([c], capacity)
+            if old[0] is not None and c.offset:
+                c.keys[..., : c.offset, :] = old[0][..., : c.offset, :]
+                c.values[..., : c.offset, :] = old[1][..., : c.offset, :]
+            grew.append(c)
+        if grew:
+            mx.eval([(c.keys, c.values) for c in grew])
+
+    def fork(self, cache: list[KVCache], n: int, capacity: int) -> list[KVCache]:
+        out = self.new_cache(max(capacity, n))
+        for src, dst in zip(cache, out, strict=True):
+            dst.keys[..., :n, :] = src.keys[..., :n, :]
+            dst.values[..., :n, :] = src.values[..., :n, :]
+            dst.offset = n
+        mx.eval([(c.keys, c.values) for c in out])  # no view of the source outlives this
+        return out
+
+    def cache_nbytes(self, cache: list[KVCache]) -> int:
+        return sum(c.keys.nbytes + c.values.nbytes for c in cache if c.keys is not None)
 
 
 def load(

@@ -132,19 +132,35 @@ class TorchBackend:
         on_layer: OnLayer | None = None,
         should_stop: Callable[[], bool] | None = None,
         capacity: int | None = None,
+        cache: PreallocatedCache | None = None,
+        emit_from: int = 0,
     ) -> Prefilled:
         """Returns once every piece was handed to `on_layer`; `Prefilled.computed_at` is when
         the forward itself ended. Cancellation: `should_stop` is polled as each layer writes its
         KV; the compute thread is then at most `run_ahead` pieces ahead of the device, and this
-        raises `Cancelled` once the device has finished that queued work."""
+        raises `Cancelled` once the device has finished that queued work.
+
+        `cache`: resume on a cache that holds the first k positions (prefix reuse): only
+        ids[k:] are computed. `emit_from`: `on_layer` sees positions [emit_from, n) only; the
+        cached [emit_from, k) of every layer go first, then what is computed."""
         ids = torch.tensor(
             [[int(t) for t in token_ids]], dtype=torch.long, device=self.torch_device
         )
         n = ids.shape[1]
-        step = chunk or n
         clock = self.ops.begin()
-        cache = self.new_cache(max(n, capacity or 0))
+        if cache is None:
+            cache = self.new_cache(max(n, capacity or 0))
+        else:
+            self.reserve(cache, max(n, capacity or 0))
+        k = self.cache_len(cache)
+        if not (0 <= emit_from < n and k < n):
+            raise ValueError(f"need emit_from ({emit_from}) < n ({n}) and cached k ({k}) < n")
+        step = chunk or (n - k)
         stager = self._stager(clock, on_layer, should_stop) if on_layer else None
+        if stager is not None and emit_from < k:  # the cached part the receiver lacks
+            held = clock.record()
+            for layer, buffers in enumerate(lay.buffers for lay in cache.layers):
+                stager.put(layer, emit_from, k - emit_from, held, buffers)
         queued: collections.deque = collections.deque()  # events of the pieces ahead of the device
 
         def hook(layer: int, start: int, count: int) -> None:  # compute thread
@@ -155,12 +171,13 @@ class TorchBackend:
             queued.append(event)
             if len(queued) > self.run_ahead:
                 clock.wait(queued.popleft())
-            if stager is not None:
-                stager.put(layer, start, count, event, cache.layers[layer].buffers)
+            lo = max(start, emit_from)
+            if stager is not None and lo < start + count:
+                stager.put(layer, lo, start + count - lo, event, cache.layers[layer].buffers)
 
         cache.hook = hook
         try:
-            for start in range(0, n, step):
+            for start in range(k, n, step):
                 logits = self._run(ids[:, start : start + step], cache)
             end = clock.record()
             logits = logits.float().cpu().numpy()  # waits for the device
@@ -175,7 +192,8 @@ class TorchBackend:
         finally:
             cache.hook = None
         for m in cache.marks:
-            m.at = clock.seconds(m.at)
+            if not isinstance(m.at, float):  # this run's events (a reused cache's are seconds)
+                m.at = clock.seconds(m.at)
         return Prefilled(cache=cache, logits=logits, computed_at=computed_at)
 
     @torch.inference_mode()
@@ -186,19 +204,20 @@ class TorchBackend:
         *,
         chunk: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        start_pos: int = 0,
     ) -> None:
-        """Hand the cache's KV to `on_layer` through the same staging as a prefill (for the
-        sequential mode: never more pinned memory than the ring): chunk-major, then layer, in
+        """Hand the cache's KV from `start_pos` on to `on_layer` through the same staging as a
+        prefill (for the sequential mode: never more pinned memory than the ring): chunk-major, then layer, in
         token ranges of at most `chunk` positions (and one ring slot). Returns once every piece
         was handed on; `computed_at` is when the prefill computed the piece's last position."""
         n = cache.get_seq_length()
-        step = chunk or n
+        step = chunk or max(1, n - start_pos)
         clock = self.ops.begin()
         written = clock.record()  # the device has queued every write into the cache before this
         stamps = [([e for e, _ in marks], [t for _, t in marks]) for marks in cache.stamps()]
         stager = self._stager(clock, on_layer, should_stop)
         try:
-            for start in range(0, n, step):
+            for start in range(start_pos, n, step):
                 count = min(step, n - start)
                 for layer, (ends, ats) in enumerate(stamps):
                     i = bisect.bisect_left(
@@ -249,7 +268,37 @@ class TorchBackend:
         return out
 
     def cache_len(self, cache: PreallocatedCache) -> int:
-        return cache.get_seq_length()
+        return min(layer.length for layer in cache.layers)
+
+    # ---- prefix reuse (node/prefix.py): only lengths move, or one copy ----
+
+    def trim(self, cache: PreallocatedCache, n: int) -> None:
+        for layer in cache.layers:
+            if n > layer.length:
+                raise ValueError(f"cannot trim a layer of {layer.length} positions to {n}")
+            kb, vb = layer.buffers
+            layer.length = n
+            layer.keys, layer.values = kb[:, :, :n], vb[:, :, :n]
+        cache.marks = [m for m in cache.marks if m.start + m.n <= n]
+
+    def reserve(self, cache: PreallocatedCache, capacity: int) -> None:
+        for layer in cache.layers:
+            if layer.capacity < capacity:
+                layer._grow(capacity)
+                layer.keys, layer.values = (b[:, :, : layer.length] for b in layer.buffers)
+
+    @torch.inference_mode()
+    def fork(self, cache: PreallocatedCache, n: int, capacity: int) -> PreallocatedCache:
+        out = self.new_cache(max(capacity, n))
+        for src, dst in zip(cache.layers, out.layers, strict=True):
+            for s, d in zip(src.buffers, dst.buffers, strict=True):
+                d[:, :, :n].copy_(s[:, :, :n])
+            dst.length = n
+            dst.keys, dst.values = (b[:, :, :n] for b in dst.buffers)
+        return out
+
+    def cache_nbytes(self, cache: PreallocatedCache) -> int:
+        return sum(b.numel() * b.element_size() for layer in cache.layers for b in layer.buffers)
 
 
 def _device(name: str) -> torch.device:
