@@ -24,7 +24,8 @@ CACHE = Path(tempfile.gettempdir()) / f"exo-split-test-cache-{os.getuid()}"
 class NodeProcess:
     """`exo-split node` as a child process. By default on 127.0.0.1 with --no-mdns: a node in
     the host's network namespace must never send multicast. `mdns=True` only together with
-    `prefix` = `ns_exec_prefix(ns)` of a namespace the test created (exo_split/bench/netns.py)."""
+    `prefix` = `ns_exec_prefix(ns)` of a namespace the test created (exo_split/bench/netns.py).
+    The prefix cache is off unless `prefix_cache_bytes` says otherwise (e.g. "2G")."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class NodeProcess:
         mdns: bool = False,
         host: str = "127.0.0.1",
         prefix: tuple[str, ...] | list[str] = (),
+        prefix_cache_bytes: str = "0",
     ):
         if mdns and not prefix:
             raise ValueError("mdns=True needs prefix=ns_exec_prefix(ns): never from the host")
@@ -44,6 +46,9 @@ class NodeProcess:
         self.ready_file = workdir / f"ready-{backend}-{time.monotonic_ns()}.json"
         self.log_file = workdir / f"node-{backend}-{time.monotonic_ns()}.log"
         where = ["--host", host] + ([] if mdns else ["--no-mdns"])
+        # The split's own tests send the same prompt again and again: a prefix cache would
+        # turn their handoffs into one-token ones. Multi-turn tests turn it on.
+        where += ["--prefix-cache-bytes", prefix_cache_bytes]
         cmd = [*prefix, sys.executable, "-m", "exo_split", "node", "--model", str(model_dir),
                "--backend", backend, "--port", "0", "--ready-file", str(self.ready_file),
                *where, *extra]  # fmt: skip

@@ -204,7 +204,8 @@ class Bench:
 
         max_tokens = max_tokens or self.s.max_tokens
         body = {"token_ids": prompt_ids(n, self.vocab), "max_tokens": max_tokens,
-                "fallback": "none", "sampling": {"temperature": 0.0}}  # fmt: skip
+                "fallback": "none", "sampling": {"temperature": 0.0},
+                "prefix_cache": False}  # fmt: skip  # repeats must prefill the whole prompt
         if mode == "local":
             body["prefill"] = "local"
         else:

@@ -74,8 +74,8 @@ def seconds(text: str, *, zero: bool = False, below: float = float("inf")) -> fl
     return value
 
 
-def size(text: str) -> int:
-    """A size in bytes: 512M, 8G, 1.5GiB, 4096."""
+def size(text: str, *, zero: bool = False) -> int:
+    """A size in bytes: 512M, 8G, 1.5GiB, 4096 (0 only where `zero` allows it)."""
     units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     number, unit = text.upper().rstrip("IB"), ""
     if number and number[-1] in units:
@@ -84,7 +84,7 @@ def size(text: str) -> int:
         value = int(float(number) * units[unit])
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a size like 512M or 8G, got {text!r}") from None
-    if value < 1:
+    if value < (0 if zero else 1):
         raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
     return value
 

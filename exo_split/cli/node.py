@@ -95,6 +95,15 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         "allocated once at start-up (default 64M, in 4 slots)",
     )
     g.add_argument(
+        "--prefix-cache-bytes",
+        type=lambda text: size(text, zero=True),
+        default="2G",
+        metavar="SIZE",
+        help="KV of finished requests kept for reuse by the next turn (prefix cache, LRU), "
+        "counted in --max-kv-bytes and given up before a request is refused; 0: off "
+        "(default 2G)",
+    )
+    g.add_argument(
         "--busy-wait",
         type=lambda text: seconds(text, zero=True),
         default=0.0,
@@ -147,6 +156,7 @@ def cmd_node(args) -> int:
         model_name=args.model_name,
         die_after_layer=int(die_after) if die_after else None,
         staging_bytes=args.staging_bytes,
+        prefix_cache_bytes=args.prefix_cache_bytes,
     )
     node = Node(config, progress=say)
     asyncio.run(node.serve())

@@ -24,10 +24,11 @@ from exo_split.report import compare, to_json
 from exo_split.report.text import render_comparison, render_terminal
 
 # The runs of `split-generate --compare`, in the order they run: body overrides of each.
+# No prefix reuse: each run prefills the whole prompt, or the later ones would find it cached.
 COMPARE_RUNS = (
-    ("overlap", {"prefill": "remote", "overlap": True}),
-    ("sequential", {"prefill": "remote", "overlap": False}),
-    ("local", {"prefill": "local"}),
+    ("overlap", {"prefill": "remote", "overlap": True, "prefix_cache": False}),
+    ("sequential", {"prefill": "remote", "overlap": False, "prefix_cache": False}),
+    ("local", {"prefill": "local", "prefix_cache": False}),
 )
 
 

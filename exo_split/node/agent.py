@@ -36,6 +36,7 @@ from exo_split.errors import ExoSplitError, PeerUnavailable
 from exo_split.node import policy
 from exo_split.node.capabilities import Speeds, node_speeds, probe_link
 from exo_split.node.decode import Coordinator
+from exo_split.node.prefix import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
@@ -68,6 +69,7 @@ class NodeConfig:
     model_name: str | None = None  # the model's id in the OpenAI API; None: the directory's name
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # finished requests' KV; 0: none
 
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
@@ -131,6 +133,10 @@ class Node:
             never_publish=[config.token],
             on_change=self._refresh_info,
         )
+        # One prefix cache for both roles: prompts prefilled here, conversations decoded here.
+        self.prefix = None
+        if config.prefix_cache_bytes > 0:
+            self.prefix = PrefixCache(self.backend, limit_bytes=config.prefix_cache_bytes)
         self.coordinator = _Coordinator(
             self.backend,
             self.codec,
@@ -141,6 +147,7 @@ class Node:
             choose_peer=self.choose_prefill_peer,
             chat=self.chat,
             max_frame_bytes=config.limits.max_frame_bytes,
+            prefix=self.prefix,
         )
         self.coordinator.on_done = self._learn
 
@@ -358,7 +365,7 @@ class Node:
         return f"mDNS: not advertising ({self.presence.mdns_error}); use --peer HOST:PORT"
 
     def state(self) -> NodeState:
-        return NodeState(
+        state = NodeState(
             node_id=self.node_id,
             spec=self.spec,
             backend=self.backend,
@@ -373,7 +380,11 @@ class Node:
             stats={},
             timeouts=self.config.timeouts,
             die_after_layer=self.config.die_after_layer,
+            prefix=self.prefix,
         )
+        if self.prefix is not None:
+            state.ledger.caches.append(self.prefix)
+        return state
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Serve until `stop` is set or SIGINT/SIGTERM arrives."""

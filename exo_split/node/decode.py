@@ -26,8 +26,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import aiohttp
 
@@ -42,9 +40,11 @@ from exo_split.errors import (
     ProtocolError,
 )
 from exo_split.node.prefill import forget_frames, wait_through_cancel
+from exo_split.node.prefix import PrefixCache, prefix_report
 from exo_split.node.receive import STAGED_FRAMES, open_sink
+from exo_split.node.timing import Piece, Remote, build_timeline
 from exo_split.node.tokens import Batch, decode_events
-from exo_split.report import ClockSync, LayerTiming, Timeline, build_report, to_json
+from exo_split.report import build_report, to_json
 from exo_split.sampling import sample
 from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
 from exo_split.tokenizer import TextCodec, TextStream
@@ -60,30 +60,6 @@ EmitMany = Callable[[list[dict]], Awaitable[None]]  # several events, in order, 
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
 
 
-class _Piece(NamedTuple):
-    """What the report needs of a received piece (its bytes are freed once injected)."""
-
-    layer: int
-    token_start: int
-    n_tokens: int
-    nbytes: int
-
-
-@dataclass
-class _Remote:
-    """What a remote prefill delivered (or how far it got)."""
-
-    first_token: int | None = None
-    first_token_at: float | None = None
-    hello: dict | None = None
-    hello_at: float | None = None
-    sent_at: float = 0.0
-    end: dict | None = None
-    received: list[tuple[_Piece, float]] = field(default_factory=list)
-    injected: list[float] = field(default_factory=list)
-    stamps: dict[str, list[float]] = field(default_factory=dict)  # END's, per piece
-
-
 class Coordinator:
     def __init__(
         self,
@@ -97,8 +73,10 @@ class Coordinator:
         choose_peer: Callable[[GenerateRequest, int], Awaitable[tuple[str | None, dict | None]]],
         chat: ChatTemplate | None = None,
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+        prefix: PrefixCache | None = None,
     ):
         self.chat = chat  # the checkpoint's chat template; None: it has none
+        self.prefix = prefix  # finished requests' KV, reused by the next turn (None: off)
         self.backend = backend
         self.spec: ModelSpec = backend.spec
         self.codec = codec
@@ -209,13 +187,20 @@ class Coordinator:
             ended[0] = not await emit_tokens([(token, clock())])
 
         ended = [False]
-        peer, decision = await self.choose_peer(req, len(ids))
+        # The longest prefix this node holds: [0, m) is not prefilled again, nor sent.
+        reuse = self.prefix if req.prefix_cache else None
+        held, m = None, 0
+        if reuse is not None:
+            checkout = reuse.checkout(ids)
+            held = await self._run(reuse.materialize, checkout, capacity=capacity)
+            m = checkout.cached if held is not None else 0
+        peer, decision = await self.choose_peer(req, len(ids) - m)  # the uncached suffix
         remote, fallback, cache = None, None, None
         if peer is not None:
-            remote = _Remote()
+            remote = Remote()
             try:
                 cache = await self._remote_with_retries(
-                    peer, req, ids, capacity, remote, emit, emit_token
+                    peer, req, ids, capacity, remote, emit, emit_token, held, m
                 )
             except PEER_FAILURES as exc:
                 if req.fallback == "none":
@@ -223,6 +208,8 @@ class Coordinator:
                     failure.args = (f"remote prefill failed and fallback is none: {exc}",)
                     raise failure from exc
                 forget_frames(exc)  # the partial KV goes now, before the local prefill
+                if held is not None:  # what arrived past our own prefix is dropped
+                    await self._run(self.backend.trim, held, m)
                 fallback = f"local prefill: {exc}"
                 log.warning("prefill peer failed, prefilling locally: %s", str(exc))
                 await emit({"type": "fallback", "reason": str(exc)})
@@ -234,24 +221,31 @@ class Coordinator:
                 chunk=req.chunk,
                 capacity=capacity,
                 should_stop=stop.is_set,
+                **({"cache": held} if held is not None else {}),
             )
             cache = done.cache
             if not tokens:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
         local_end = clock()
         stats = DecodeStats()
+        held = None
         if not ended[0]:
             ended[0] = not await self._decode(cache, tokens[0], req, stop, stats, emit_tokens)
+        if reuse is not None:
+            await self._keep(reuse, cache, ids + tokens)
         del cache
         stopped_by = (
             "until" if ended[0]
             else "end_of_turn" if tokens[-1] in self.codec.eos_ids
             else "max_tokens"
         )  # fmt: skip
-        timeline = self._timeline(
-            ids, remote, fallback, decision, arrived, (local_start, local_end), times, req
+        timeline = build_timeline(self.spec.n_layers, ids, remote, fallback, decision, arrived,
+                                  (local_start, local_end), times, req)  # fmt: skip
+        k = remote.hello.get("prefill_cached_tokens", 0) if remote and remote.hello else 0
+        prefix = prefix_report(m, k, len(ids) - (m if fallback or remote is None else k))
+        timeline = dataclasses.replace(
+            timeline, decode=self._decode_info(stats, stopped_by), prefix=prefix
         )
-        timeline = dataclasses.replace(timeline, decode=self._decode_info(stats, stopped_by))
         report = to_json(build_report(timeline))
         text = self.codec.detokenize(tokens)
         return {
@@ -264,6 +258,13 @@ class Coordinator:
             "finish_reason": "length" if stopped_by == "max_tokens" else "stop",
             "report": report,
         }
+
+    async def _keep(self, reuse: PrefixCache, cache, tokens: list[int]) -> None:
+        """Hand a finished request's cache to the prefix cache: it covers the prompt and the
+        tokens fed back in (a stop or `until` may leave one more computed: trimmed)."""
+        n = min(await self._run(self.backend.cache_len, cache), len(tokens))
+        await self._run(self.backend.trim, cache, n)
+        reuse.put(tokens[:n], cache)
 
     async def _decode(self, cache, first: int, req, stop, stats, emit_tokens) -> bool:
         """Decode after the first token as one compute job; False if `until` ended it."""
@@ -298,14 +299,16 @@ class Coordinator:
             "stopped_by": stopped_by,
         }
 
-    async def _remote_with_retries(self, peer, req, ids, capacity, remote, emit, emit_token):
+    async def _remote_with_retries(
+        self, peer, req, ids, capacity, remote, emit, emit_token, held=None, start=0
+    ):
         """A busy peer (503) is asked again after its Retry-After while the total wait stays
         within `timeouts.busy_wait`; then the PeerBusy goes up like any peer failure."""
         waited = 0.0
         while True:
             try:
                 return await self._remote_prefill(
-                    peer, req, ids, capacity, remote, emit, emit_token
+                    peer, req, ids, capacity, remote, emit, emit_token, held, start
                 )
             except PeerBusy as exc:
                 pause = max(0.0, exc.retry_after)
@@ -315,11 +318,16 @@ class Coordinator:
                 await asyncio.sleep(pause)
                 waited += pause
 
-    async def _remote_prefill(self, peer, req, ids, capacity, remote: _Remote, emit, emit_token):
-        """Pull the KV straight into a new cache; returns it filled. Raises one of
-        PEER_FAILURES; then the partial cache is already dropped."""
-        sink = await self._run(open_sink, self.backend, await self._run(self.backend.new_cache,
-                                                                         capacity))  # fmt: skip
+    async def _remote_prefill(
+        self, peer, req, ids, capacity, remote: Remote, emit, emit_token, held, start
+    ):
+        """Pull the KV of [start, n) straight into `held` (which holds [0, start)) or a new
+        cache; returns it filled. Raises one of PEER_FAILURES; then the partial cache is
+        already dropped (a `held` one stays the caller's)."""
+        if held is None:
+            held = await self._run(self.backend.new_cache, capacity)
+        sink = await self._run(open_sink, self.backend, held)
+        del held
         body = PrefillRequest(
             request_id=uuid.uuid4().hex[:16],
             token_ids=tuple(ids),
@@ -330,10 +338,12 @@ class Coordinator:
             chunk=req.chunk,
             dtype=self.backend.dtype,
             max_frame_bytes=self.max_frame_bytes,
+            start=start,
+            prefix_cache=req.prefix_cache,
         ).to_json()
         spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
                                wire.WireDtype.from_name(self.backend.dtype), len(ids),
-                               self.max_frame_bytes)  # fmt: skip
+                               self.max_frame_bytes, start)  # fmt: skip
         pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()
@@ -350,7 +360,7 @@ class Coordinator:
                         await sink.landed(frame, self._run)
                         if frame.last:  # a whole (chunk, layer) piece is in the cache
                             layer, start, n = pieces[frame.piece]
-                            piece = _Piece(layer, start, n, spec.layer_payload_len(n))
+                            piece = Piece(layer, start, n, spec.layer_payload_len(n))
                             remote.received.append((piece, now))
                             remote.injected.append(clock())
                             progress = {"type": "progress", "layer": layer,
@@ -389,61 +399,6 @@ class Coordinator:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ProtocolError(f"{peer}: HELLO has a malformed spec: {exc}") from exc
         require_compatible(self.spec, theirs, what=f"prefill peer {peer}")
-
-    def _timeline(self, ids, remote, fallback, decision, arrived, local, times, req) -> Timeline:
-        common = dict(
-            prompt_tokens=len(ids),
-            n_layers=self.spec.n_layers,
-            client_sent=arrived,
-            first_token=times[0],
-            token_times=tuple(times),
-            fallback=fallback,
-            decision=decision,
-        )
-        if remote is None or fallback is not None:
-            layers = ()
-            if remote is not None:  # draw what arrived before the failure
-                layers = tuple(
-                    LayerTiming(kv.layer, kv.token_start, kv.n_tokens, kv.nbytes, t, t, t, inj)
-                    for (kv, t), inj in zip(remote.received, remote.injected, strict=False)
-                )
-            return Timeline(
-                mode="local", prefill_start=local[0], prefill_end=local[1], layers=layers,
-                clock=None, **common,
-            )  # fmt: skip
-        end, hello, stamps = remote.end, remote.hello, remote.stamps
-        layers = tuple(
-            LayerTiming(
-                kv.layer,
-                kv.token_start,
-                kv.n_tokens,
-                kv.nbytes,
-                compute_done,
-                sent,
-                received,
-                injected,
-                send_start=send_start,
-            )  # fmt: skip
-            for (kv, received), injected, compute_done, send_start, sent in zip(
-                remote.received,
-                remote.injected,
-                stamps["compute_done"],
-                stamps["send_start"],
-                stamps["sent"],
-                strict=True,
-            )  # fmt: skip
-        )
-        sync = ClockSync(
-            decode_sent=remote.sent_at,
-            prefill_received=hello["prefill_received"],
-            prefill_replied=hello["prefill_replied"],
-            decode_replied=remote.hello_at,
-        )
-        return Timeline(
-            mode="overlap" if req.overlap else "sequential",
-            prefill_start=end["prefill_start"], prefill_end=end["prefill_end"],
-            layers=layers, clock=sync, **common,
-        )  # fmt: skip
 
 
 def _nothing() -> None:

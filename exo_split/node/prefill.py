@@ -31,6 +31,7 @@ import numpy as np
 
 from exo_split.backends.base import Backend, Cancelled
 from exo_split.kv import LayerKV, chunk_sizes
+from exo_split.node.prefix import Checkout, PrefixCache
 from exo_split.sampling import sample
 from exo_split.transport import wire
 from exo_split.transport.datalink import DataConnection, FrameSender
@@ -225,6 +226,26 @@ def _describe(kv: LayerKV) -> str:
     return f"LAYER {kv.layer} tokens [{kv.token_start}, {kv.token_start + kv.n_tokens})"
 
 
+def streamed_chunks(cached: int, compute: tuple[int, ...], start: int) -> tuple[int, ...]:
+    """The plan's chunks when the prefill computes `compute` (sizes) from position `cached`
+    and streams from `start`: the cached [start, cached) first if the receiver lacks it, then
+    each computed chunk's part at or after `start`."""
+    out = [cached - start] if start < cached else []
+    at = cached
+    for size in compute:
+        if at + size > start:
+            out.append(at + size - max(at, start))
+        at += size
+    return tuple(out)
+
+
+def _from(kv: LayerKV, start: int) -> LayerKV:
+    """An exported whole layer from position `start` on."""
+    if not start:
+        return kv
+    return dataclasses.replace(kv, token_start=start, k=kv.k[:, start:], v=kv.v[:, start:])
+
+
 def prefill_chunks(backend: Backend, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
     """The chunk sizes the backend's prefill emits pieces for (docs/protocol.md, Plan)."""
     own = getattr(backend, "prefill_chunks", None)
@@ -243,6 +264,7 @@ async def stream_prefill(
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     progress: Progress | None = None,
     die_after_layer: int | None = None,
+    prefix: PrefixCache | None = None,
 ) -> dict:
     """Run the prefill and write HELLO, LAYER..., TOKEN, END on the data connection.
 
@@ -253,13 +275,17 @@ async def stream_prefill(
     SIGKILL this process 0.2 s after that layer's first frame is on the wire.
     """
     progress = progress or Progress()
-    n, spec = len(req.token_ids), backend.spec
+    n, spec, start = len(req.token_ids), backend.spec, req.start
     dtype = wire.WireDtype.from_name(req.dtype or backend.dtype)
-    compute = prefill_chunks(backend, n, req.chunk)
+    # Our own longest cached prefix k: only [k, n) is computed, only [start, n) streamed.
+    reuse = prefix if req.prefix_cache else None
+    checkout = reuse.checkout(req.token_ids) if reuse is not None else Checkout("none")
+    k = checkout.cached
+    compute = prefill_chunks(backend, n - k, req.chunk)
     bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)
-    plan = wire.Plan(compute if req.overlap else (n,), max(1, limit // bytes_per_token),
-                     spec.n_layers)  # fmt: skip
+    chunks = streamed_chunks(k, compute, start) if req.overlap else (n - start,)
+    plan = wire.Plan(chunks, max(1, limit // bytes_per_token), spec.n_layers, start)
     progress.total = spec.n_layers * len(compute)
     sender = FrameSender(conn.socket(timeout), on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)
@@ -275,12 +301,16 @@ async def stream_prefill(
     def work():  # compute thread
         try:
             t0 = clock()
+            cache = reuse.materialize(checkout, capacity=n) if reuse is not None else None
+            resume = {"cache": cache, "emit_from": start} if cache is not None or start else {}
             done = backend.prefill(
                 req.token_ids,
                 chunk=req.chunk,
                 on_layer=on_layer if req.overlap else None,
                 should_stop=lambda: progress.cancelled,
+                **resume,
             )
+            cache = resume = None
             t1 = done.computed_at if done.computed_at is not None else clock()
             if not req.overlap:  # the finished cache's KV, layer by layer
                 progress.computed = progress.total
@@ -290,18 +320,21 @@ async def stream_prefill(
 
                 stream_kv = getattr(backend, "stream_kv", None)
                 if stream_kv is not None:
-                    stream_kv(done.cache, ship, should_stop=lambda: progress.cancelled)
+                    since = {"start_pos": start} if start else {}
+                    stream_kv(done.cache, ship, should_stop=lambda: progress.cancelled, **since)
                 else:
                     for kv in backend.export(done.cache):
                         if progress.cancelled:
                             raise Cancelled("prefill cancelled while sending")
-                        ship(kv)
-            done.cache = None  # the prefill side keeps no KV once it is on the wire
+                        ship(_from(kv, start))
+            kept[0], done.cache = done.cache if reuse is not None else None, None
             return t0, t1, sample(done.logits, req.sampling, 0)
         finally:
             progress.stopped_at = clock()
 
-    hello = {**hello, "dtype": dtype.name, "plan": plan.to_json(), "prefill_replied": clock()}
+    kept: list = [None]  # the finished cache, for the prefix cache once the stream ended
+    hello = {**hello, "dtype": dtype.name, "plan": plan.to_json(), "prefill_cached_tokens": k,
+             "prefill_replied": clock()}  # fmt: skip
     sender.put(wire.encode_hello(hello))
     computing = executor.submit(work)
     job = asyncio.wrap_future(computing)
@@ -314,11 +347,15 @@ async def stream_prefill(
         sender.put(wire.encode_end(end))
         await sender.flush()
         ended = True
+        if reuse is not None and kept[0] is not None:  # every frame that read it is sent
+            reuse.put(req.token_ids, kept[0])
         return end
     except BaseException as exc:
         progress.cancel()
         if computing.cancel():  # it had not started: it never will
             progress.stopped_at = clock()
+            if reuse is not None:
+                reuse.cancel(checkout)
         else:  # running: it stops at the next layer or chunk
             await wait_through_cancel(job)
             if not job.cancelled():

@@ -28,6 +28,7 @@ from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
 from exo_split.node.decode import Coordinator
 from exo_split.node.openai import add_routes as add_openai_routes
 from exo_split.node.prefill import Progress, clock, stream_prefill
+from exo_split.node.prefix import PrefixCache
 from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
 from exo_split.transport.limits import prefill_kv_bytes
 from exo_split.transport.messages import GenerateRequest, PrefillRequest
@@ -62,6 +63,7 @@ class NodeState(ServerState):
     model_id: str = ""  # the model's name in the OpenAI API (GET /v1/models)
     started: int = 0  # when the node started (Unix seconds): the model's `created`
     die_after_layer: int | None = None  # test hook, docs/reliability.md
+    prefix: PrefixCache | None = None  # the node's prefix cache (None: off)
 
 
 async def info(request: web.Request) -> web.Response:
@@ -73,7 +75,11 @@ async def info(request: web.Request) -> web.Response:
         "kv_bytes_peak": state.ledger.peak,
         "kv_bytes_limit": state.ledger.limit,
     }
-    return web.json_response({**state.info, "stats": stats})
+    cache = state.prefix.describe() if state.prefix is not None else _NO_PREFIX_CACHE
+    return web.json_response({**state.info, "stats": stats, "prefix_cache": cache})
+
+
+_NO_PREFIX_CACHE = {"entries": 0, "bytes": 0, "limit": 0}
 
 
 async def prefill(request: web.Request) -> web.StreamResponse:
@@ -122,7 +128,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
                 state.backend, state.executor, req, conn, hello=hello,
                 timeout=state.timeouts.idle, max_frame_bytes=limits.max_frame_bytes,
                 inflight_bytes=limits.max_inflight_bytes, progress=progress,
-                die_after_layer=state.die_after_layer,
+                die_after_layer=state.die_after_layer, prefix=state.prefix,
             )  # fmt: skip
             conn.close()
         except ClientGone as exc:

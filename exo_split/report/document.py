@@ -53,6 +53,7 @@ def to_json(obj: HandoffReport | Comparison) -> dict[str, Any]:
         "meets_handoff_target": obj.meets_handoff_target,
         "fallback": tl.fallback,
         "decision": tl.decision,
+        "prefix": tl.prefix or {},
         "events": {
             "prefill_start": rel(obj.prefill_start),
             "prefill_end": rel(obj.prefill_end),

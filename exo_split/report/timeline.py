@@ -69,6 +69,8 @@ class Timeline:
     # The decode side: backend, device, dtype, quantization (its to_dict, or None), steps,
     # host_checked / host_corrected (sampled picks redone by the host rule), stopped_by.
     decode: dict | None = None
+    # Prefix reuse: decode_cached_tokens, prefill_cached_tokens, computed_tokens (or None).
+    prefix: dict | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:

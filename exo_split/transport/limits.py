@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from exo_split.errors import ExoSplitError
 from exo_split.kv import itemsize
@@ -39,17 +40,32 @@ class Limits:
     max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES  # KV handed to the sender, not yet sent
 
 
+class Evictable(Protocol):
+    """KV kept for reuse (node/prefix.py's PrefixCache): counted, and given up on demand."""
+
+    nbytes: int
+
+    def evict(self, nbytes: int) -> int: ...
+
+
 class KVLedger:
-    """The KV bytes this node holds for requests in progress.
+    """The KV bytes this node holds for requests in progress, plus its prefix caches.
 
     Each request reserves what it will hold before its 200 (the prefill's cache and pieces in
     flight; the decode cache at full capacity) and releases it when its handler ends, after
     the compute thread has let go. /v1/info shows `kv_bytes_held`; it returns to 0 when idle.
+    The prefix caches (`caches`) count against the same limit but never refuse work: what a
+    request needs is evicted from them, least recently used first, before it is admitted.
     """
 
     def __init__(self, limit: int, retry_after_s: int = 1):
         self.limit, self.retry_after_s = limit, retry_after_s
         self.held = self.peak = 0
+        self.caches: list[Evictable] = []
+
+    @property
+    def cached(self) -> int:
+        return sum(c.nbytes for c in self.caches)
 
     @contextlib.contextmanager
     def hold(self, nbytes: int, what: str) -> Iterator[None]:
@@ -68,8 +84,13 @@ class KVLedger:
                 f"{_mib(self.limit)} are held by requests in progress",
                 retry_after=self.retry_after_s,
             )
+        over = self.held + self.cached + nbytes - self.limit
+        for c in self.caches:
+            if over <= 0:
+                break
+            over -= c.evict(over)
         self.held += nbytes
-        self.peak = max(self.peak, self.held)
+        self.peak = max(self.peak, self.held + self.cached)
         try:
             yield
         finally:

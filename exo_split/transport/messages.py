@@ -31,6 +31,9 @@ class PrefillRequest:
     chunk: int | None = None
     dtype: str | None = None  # the KV dtype the decode side wants on the wire
     max_frame_bytes: int | None = None  # the largest LAYER payload the decode side accepts
+    # Positions [0, start) the decode side already holds: only [start, n) is streamed.
+    start: int = 0
+    prefix_cache: bool = True  # False: neither reuse nor keep a prefix on the prefill node
 
     def to_json(self) -> dict:
         return {
@@ -44,6 +47,8 @@ class PrefillRequest:
             "chunk": self.chunk,
             "dtype": self.dtype,
             "max_frame_bytes": self.max_frame_bytes,
+            "start": self.start,
+            "prefix_cache": self.prefix_cache,
         }
 
     @classmethod
@@ -66,6 +71,9 @@ class PrefillRequest:
         chunk = body.get("chunk")
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+        start = body.get("start", 0)
+        if not isinstance(start, int) or not 0 <= start < len(ids):
+            raise ValueError(f"start must be an integer in [0, {len(ids)}), got {start!r}")
         spec = body.get("spec")
         if spec is not None and not isinstance(spec, dict):
             raise ValueError("spec must be an object")
@@ -85,6 +93,8 @@ class PrefillRequest:
             fingerprint=str(body.get("fingerprint", "")),
             overlap=bool(body.get("overlap", True)),
             chunk=chunk,
+            start=start,
+            prefix_cache=_flag(body, "prefix_cache"),
         )
 
 
@@ -103,6 +113,7 @@ class GenerateRequest:
     overlap: bool = True
     chunk: int | None = None
     fallback: str = "local"  # local | none
+    prefix_cache: bool = True  # False: this request neither reuses nor keeps a prefix
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:
@@ -140,7 +151,15 @@ class GenerateRequest:
             overlap=bool(body.get("overlap", True)),
             chunk=chunk,
             fallback=fallback,
+            prefix_cache=_flag(body, "prefix_cache"),
         )
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, True)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 # ---- chat messages (a /v1/generate body's `messages`, and the OpenAI API's) ----

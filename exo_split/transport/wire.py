@@ -153,7 +153,8 @@ class FrameHeader:
 @dataclass(frozen=True)
 class StreamSpec:
     """What the receiver expects before HELLO: the model's KV shape and dtype, the prompt
-    length, and the largest LAYER payload it accepts."""
+    length, the largest LAYER payload it accepts, and `start`: the positions it already holds
+    (prefix reuse), so the stream covers [start, prompt_len)."""
 
     n_layers: int
     n_kv_heads: int
@@ -161,11 +162,14 @@ class StreamSpec:
     dtype: WireDtype
     prompt_len: int
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    start: int = 0
 
     def __post_init__(self) -> None:
         sizes = (self.n_layers, self.n_kv_heads, self.head_dim, self.prompt_len)
         if min(sizes) < 1 or self.dtype is WireDtype.none or self.max_frame_bytes < 1:
             raise ValueError(f"invalid {self}: expected sizes >= 1 and a tensor dtype")
+        if not 0 <= self.start < self.prompt_len:
+            raise ValueError(f"invalid {self}: expected 0 <= start < prompt_len")
 
     @property
     def bytes_per_token(self) -> int:
@@ -185,18 +189,21 @@ class StreamSpec:
 class Plan:
     """The exact sequence of LAYER frames of one stream, announced in HELLO.
 
-    The prefill computes the prompt in `chunks` (sizes, in order); for each chunk, layers
-    0..L-1; each (chunk, layer) *piece* travels as consecutive token ranges of at most
-    `frame_tokens` positions. The receiver derives from it the one header it expects next.
+    The stream covers positions [start, start + sum(chunks)) in `chunks` (sizes, in order);
+    for each chunk, layers 0..L-1; each (chunk, layer) *piece* travels as consecutive token
+    ranges of at most `frame_tokens` positions. The receiver derives from it the one header
+    it expects next. (With prefix reuse the first chunk may be KV the prefill node had cached,
+    and the positions before `start` are the decode node's own.)
     """
 
     chunks: tuple[int, ...]
     frame_tokens: int
     n_layers: int
+    start: int = 0
 
     @property
     def prompt_len(self) -> int:
-        return sum(self.chunks)
+        return self.start + sum(self.chunks)
 
     @property
     def n_pieces(self) -> int:
@@ -209,7 +216,7 @@ class Plan:
 
     def pieces(self) -> Iterator[tuple[int, int, int]]:
         """(layer, token_start, n_tokens) of every piece, in stream order."""
-        start = 0
+        start = self.start
         for size in self.chunks:
             for layer in range(self.n_layers):
                 yield layer, start, size
@@ -232,7 +239,8 @@ class Plan:
                 runs[-1][1] += 1
             else:
                 runs.append([size, 1])
-        return {"chunks": runs, "frame_tokens": self.frame_tokens}
+        out: dict[str, Any] = {"chunks": runs, "frame_tokens": self.frame_tokens}
+        return out | {"start": self.start} if self.start else out
 
     @classmethod
     def from_json(cls, obj: Any, spec: StreamSpec) -> Plan:
@@ -245,15 +253,18 @@ class Plan:
             for r in runs
         )
         _require(ok, "HELLO plan chunks", "a list of [size, count] pairs of integers >= 1", runs)
+        start = obj.get("start", 0)
+        _require(start == spec.start, "HELLO plan start", spec.start, start)
         total = sum(size * count for size, count in runs)
-        _require(total == spec.prompt_len, "HELLO plan chunks", f"{spec.prompt_len} tokens", total)
+        want = spec.prompt_len - spec.start
+        _require(total == want, "HELLO plan chunks", f"{want} tokens", total)
         most = spec.frame_tokens()
         ok = _is_int(frame_tokens) and 1 <= frame_tokens <= most
         _require(
             ok, "HELLO plan frame_tokens", f"1..{most} ({spec.max_frame_bytes} B)", frame_tokens
         )
         chunks = tuple(size for size, count in runs for _ in range(count))
-        return cls(chunks, frame_tokens, spec.n_layers)
+        return cls(chunks, frame_tokens, spec.n_layers, start)
 
 
 def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
