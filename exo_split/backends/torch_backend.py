@@ -281,10 +281,19 @@ class TorchBackend:
             layer.keys, layer.values = kb[:, :, :n], vb[:, :, :n]
         cache.marks = [m for m in cache.marks if m.start + m.n <= n]
 
+    @torch.inference_mode()
     def reserve(self, cache: PreallocatedCache, capacity: int) -> None:
+        """Exactly `capacity` positions for a layer that has fewer (the layer itself would
+        double its capacity: a cached entry would keep the unused half)."""
         for layer in cache.layers:
             if layer.capacity < capacity:
-                layer._grow(capacity)
+                grown = []
+                for b in layer.buffers:
+                    new = b.new_empty((*b.shape[:2], capacity, b.shape[3]))
+                    new[:, :, : layer.length].copy_(b[:, :, : layer.length])
+                    self.ops.adopt(new)  # the side stream may read it (CUDA)
+                    grown.append(new)
+                layer.buffers = tuple(grown)
                 layer.keys, layer.values = (b[:, :, : layer.length] for b in layer.buffers)
 
     @torch.inference_mode()
