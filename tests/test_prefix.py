@@ -4,6 +4,8 @@ backends equal to whole ones; the plan of a stream that starts past the decode n
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from reference import prompt_ids
@@ -209,3 +211,19 @@ def test_fork_reserve_and_nbytes(backends, name):
     resumed = b.prefill([*ids[:30], 7, 8], cache=copy)
     direct = b.prefill([*ids[:30], 7, 8])
     assert np.abs(resumed.logits - direct.logits).max() < TOL
+
+
+def test_the_renderings_show_the_prefix_block():
+    from test_report import local_timeline
+
+    from exo_split.report import build_report, load_report, to_json
+    from exo_split.report.html import render_html
+    from exo_split.report.text import render_terminal
+
+    prefix = {"decode_cached_tokens": 3412, "prefill_cached_tokens": 0, "computed_tokens": 57}
+    report = build_report(replace(local_timeline(), prefix=prefix))
+    doc = to_json(report)
+    assert doc["prefix"] == prefix and doc["kv_bytes"] == 0
+    assert load_report(doc).timeline.prefix == prefix
+    line = "prefix: 3,412 tokens cached on the decode node, 0 on the prefill node; 57 computed"
+    assert line in render_terminal(report, width=200) and "no KV moved" in render_html(report)

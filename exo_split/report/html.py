@@ -19,6 +19,7 @@ from exo_split.report.text import (
     figure_pairs,
     fmt_bytes,
     fmt_ms,
+    prefix_text,
 )
 
 WIDTH, LEFT, RIGHT = 1120, 70, 20  # px: whole SVG, label gutter, right margin
@@ -232,6 +233,8 @@ def _section(
         parts.append(f'<p class="note">decision: {escape(decision_text(tl.decision))}</p>')
     if tl.decode:
         parts.append(f'<p class="note">decode: {escape(decode_text(tl.decode))}</p>')
+    if tl.prefix:
+        parts.append(f'<p class="note">prefix: {escape(prefix_text(tl.prefix, r.kv_bytes))}</p>')
     parts += [_timeline_svg(r, axis, tokens_to), _legend()]
     return f'<section class="report" data-mode="{escape(tl.mode)}">{"".join(parts)}</section>'
 

@@ -131,8 +131,21 @@ def decode_text(decode: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _notes(tl: Timeline, width: int) -> list[str]:
+def prefix_text(prefix: Mapping[str, Any], kv_bytes: int) -> str:
+    """One line: what prefix reuse saved on each node, what was computed and what moved."""
+    moved = f"{kv_bytes / 2**20:,.1f} MiB of KV moved" if kv_bytes else "no KV moved"
+    return (
+        f"{prefix.get('decode_cached_tokens', 0):,} tokens cached on the decode node, "
+        f"{prefix.get('prefill_cached_tokens', 0):,} on the prefill node; "
+        f"{prefix.get('computed_tokens', 0):,} computed; {moved}"
+    )
+
+
+def _notes(tl: Timeline, width: int, kv_bytes: int = 0) -> list[str]:
     notes = []
+    if tl.prefix:
+        line = f"prefix: {prefix_text(tl.prefix, kv_bytes)}"
+        notes.append(textwrap.fill(line, width, subsequent_indent="  "))
     if tl.decode:
         notes.append(
             textwrap.fill(f"decode: {decode_text(tl.decode)}", width, subsequent_indent="  ")
@@ -166,7 +179,11 @@ def render_terminal(report: HandoffReport, *, width: int = 100) -> str:
         ]
         table.add_row(*(Text(c) for c in cells))
     return "\n".join(
-        [render_rich(table, width), *_notes(tl, width), render_text_timeline(report, width=width)]
+        [
+            render_rich(table, width),
+            *_notes(tl, width, report.kv_bytes),
+            render_text_timeline(report, width=width),
+        ]
     )
 
 
