@@ -133,3 +133,57 @@ def test_the_caches_evict_lru_and_refuse_nothing_that_fits(pair, ckpt):
     assert after["prefix_cache"]["evicted"] > before["prefix_cache"]["evicted"]
     assert after["stats"]["kv_bytes_peak"] <= 3 * 2**20
     assert after["stats"].get("refused", 0) == before["stats"].get("refused", 0)
+
+
+# ---- the embedded chat model through the OpenAI API --------------------------------------
+
+CHAT = ["What is the capital of France?", "And of Italy?", "Which one is bigger?"]
+
+
+def test_a_smollm2_chat_through_the_openai_api_reuses_its_history(smollm2, tmp_path):
+    """Three turns of SmolLM2's ChatML conversation, each sent as the whole history (the reply
+    text re-rendered by the template): every answer is transformers' on that history, turn 2
+    is prefilled on the decode node from its cache, turn 3 moves only the new turn's KV."""
+    import openai
+    from reference import reference_chat
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2.dir)
+    prefill = NodeProcess(smollm2.dir, "torch", tmp_path, "--no-warmup", prefix_cache_bytes="1G")
+    decode = NodeProcess(smollm2.dir, "mlx", tmp_path, "--no-warmup", "--model-name", "smollm2",
+                         prefix_cache_bytes="1G")  # fmt: skip
+    try:
+        prefill.wait_ready(180)
+        decode.wait_ready(180)
+        client = openai.OpenAI(base_url=f"{decode.url}/v1", api_key="test-token-0123456789",
+                               max_retries=0, timeout=300)  # fmt: skip
+        messages, held = [], 0
+        for i, (question, where) in enumerate(
+            zip(CHAT, ("remote", "local", "remote"), strict=True)
+        ):
+            messages.append({"role": "user", "content": question})
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)  # fmt: skip
+            want = reference_chat(smollm2.dir, ids, 24)
+            split = {"prefill": where, "fallback": "none"}
+            if where == "remote":
+                split["prefill_peer"] = prefill.addr
+            r = client.chat.completions.create(model="smollm2", messages=messages, temperature=0,
+                                               max_tokens=24, extra_body={"exo_split": split})  # fmt: skip
+            text = r.choices[0].message.content
+            assert text == tok.decode(want, skip_special_tokens=True), (i, text)
+            prefix, kv = r.exo_split["report"]["prefix"], r.exo_split["report"]["kv_bytes"]
+            print(f"\nturn {i + 1} ({where}): {len(ids)} tokens, {prefix}, {kv} B: {text!r}")
+            # The template renders the reply as generated: the whole held turn is reused.
+            assert prefix["decode_cached_tokens"] == held
+            assert (kv == 0) == (where == "local")
+            if i == 2:  # the prefill node holds turn 1's prompt; only [held, n) moved
+                assert prefix["prefill_cached_tokens"] > 0
+                assert kv == (len(ids) - held) * 30 * 2 * 3 * 64 * 4
+            # Every generated id was fed back in but the last one when max_tokens cut it.
+            held = len(ids) + len(want) - (want[-1] not in (0, 2))
+            messages.append({"role": "assistant", "content": text})
+        client.close()
+    finally:
+        prefill.stop()
+        decode.stop()
