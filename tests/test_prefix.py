@@ -98,6 +98,21 @@ def test_a_branch_copies_the_shared_part_and_the_entry_stays():
     assert len(pc) == 2 and pc.describe()["tokens"] == [310, 203]
 
 
+def test_a_checkout_is_settled_once_whichever_comes_first():
+    pc = PrefixCache(FakeOps(), limit_bytes=10**9)
+    run(pc, list(range(100)))
+    co = pc.checkout([*range(100), 1])
+    assert pc.materialize(co, capacity=200) is not None
+    pc.cancel(co)  # every path out of a request cancels: nothing happens once materialized
+    assert len(pc) == 0
+    co = pc.checkout(list(range(40)))  # none: the entry is the request's now
+    run(pc, list(range(300)))
+    co = pc.checkout([*range(100), 7])  # a copy: the entry is pinned
+    pc.cancel(co)
+    assert pc.materialize(co, capacity=200) is None  # the request was refused meanwhile
+    assert pc.evict(10**9) > 0 and len(pc) == 0  # unpinned exactly once
+
+
 def test_nothing_shared_reuses_nothing():
     pc = PrefixCache(FakeOps(), limit_bytes=10**9)
     run(pc, [1, 2, 3])
@@ -227,3 +242,54 @@ def test_the_renderings_show_the_prefix_block():
     assert load_report(doc).timeline.prefix == prefix
     line = "prefix: 3,412 tokens cached on the decode node, 0 on the prefill node; 57 computed"
     assert line in render_terminal(report, width=200) and "no KV moved" in render_html(report)
+
+
+def test_the_coordinator_judges_the_uncached_suffix_and_a_refused_request_gives_back(llama):
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from reference import reference_generate
+
+    from exo_split.backends import load_backend
+    from exo_split.node.decode import Coordinator
+    from exo_split.tokenizer import TextCodec
+    from exo_split.transport.client import Timeouts
+    from exo_split.transport.messages import GenerateRequest
+
+    compute = ThreadPoolExecutor(max_workers=1)
+    backend = compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    prefix = PrefixCache(backend, limit_bytes=64 * 2**20)
+    asked = []
+
+    async def choose(req, n):
+        asked.append(n)
+        return None, None
+
+    coordinator = Coordinator(backend, TextCodec(llama), compute, token=None, timeouts=Timeouts(),
+                              session=lambda: None, choose_peer=choose, prefix=prefix)  # fmt: skip
+
+    async def emit(event):
+        pass
+
+    def generate(ids):
+        req = GenerateRequest.from_json({"token_ids": ids, "max_tokens": 6})
+        return asyncio.run(coordinator.generate(req, emit, arrived=0.0))
+
+    try:
+        first = prompt_ids(80, seed=7)
+        done = generate(first)
+        ids = first + done["tokens"] + prompt_ids(11, seed=8)[1:]
+        done = generate(ids)
+        assert asked == [80, len(ids) - 85]  # the policy saw the uncached suffix only
+        assert done["report"]["prefix"] == {"decode_cached_tokens": 85, "prefill_cached_tokens": 0,
+                                            "computed_tokens": len(ids) - 85}  # fmt: skip
+        assert done["tokens"] == reference_generate(llama, ids, 6)
+        # A request refused after its checkout (by the ledger, say) gives the entry back.
+        again = GenerateRequest.from_json({"token_ids": ids + [5, 6], "max_tokens": 6})
+        with pytest.raises(RuntimeError), coordinator.reusing(again, list(again.token_ids)) as co:
+            assert co.how == "take" and len(prefix) == 0
+            raise RuntimeError("refused")
+        assert len(prefix) == 1 and prefix.checkout(ids + [5, 6]).cached == len(ids)
+    finally:
+        compute.submit(backend.close).result()
+        compute.shutdown()

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 
 import aiohttp
@@ -40,7 +40,7 @@ from exo_split.errors import (
     ProtocolError,
 )
 from exo_split.node.prefill import forget_frames, wait_through_cancel
-from exo_split.node.prefix import PrefixCache, prefix_report
+from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
 from exo_split.node.receive import STAGED_FRAMES, open_sink
 from exo_split.node.timing import Piece, Remote, build_timeline
 from exo_split.node.tokens import Batch, decode_events
@@ -99,6 +99,19 @@ class Coordinator:
         return decode_kv_bytes(self.spec, self.backend.dtype, prompt_len, max_tokens,
                                staging=staging)  # fmt: skip
 
+    @contextlib.contextmanager
+    def reusing(self, req: GenerateRequest, ids: list[int]) -> Iterator[Checkout | None]:
+        """This request's share of the prefix cache, looked up before its KV is admitted (enter
+        this before the ledger's hold): an entry it takes leaves the cache, so the ledger
+        neither counts it twice nor evicts it to make room for this very request. Pass it to
+        `generate`; a refused request gives it back on the way out."""
+        checkout = self.prefix.checkout(ids) if self.prefix and req.prefix_cache else None
+        try:
+            yield checkout
+        finally:
+            if checkout is not None and self.prefix is not None:
+                self.prefix.cancel(checkout)  # nothing once generate has used it
+
     def tokenize(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), checked against
         the vocabulary and the context."""
@@ -127,8 +140,11 @@ class Coordinator:
         prompt_ids: list[int] | None = None,
         emit_many: EmitMany | None = None,
         until: Callable[[], bool] | None = None,
+        checkout: Checkout | None = None,
     ) -> dict:
         """Run one request, emitting token events; returns the final `done` event.
+
+        `checkout`: its share of the prefix cache (`reusing`), if looked up already.
 
         `prompt_ids`: the request's ids when the caller has already tokenized it.
         `emit_many`, if given, takes each batch of token events in one call (one write);
@@ -142,7 +158,9 @@ class Coordinator:
         """
         stop = threading.Event()
         try:
-            return await self._generate(req, emit, arrived, stop, prompt_ids, emit_many, until)
+            return await self._generate(
+                req, emit, arrived, stop, prompt_ids, emit_many, until, checkout
+            )
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
@@ -159,6 +177,7 @@ class Coordinator:
         prompt_ids: list[int] | None,
         emit_many: EmitMany | None,
         until: Callable[[], bool] | None,
+        checkout: Checkout | None,
     ) -> dict:
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenize(req)
         capacity = len(ids) + req.max_tokens
@@ -191,8 +210,11 @@ class Coordinator:
         reuse = self.prefix if req.prefix_cache else None
         held, m = None, 0
         if reuse is not None:
-            checkout = reuse.checkout(ids)
-            held = await self._run(reuse.materialize, checkout, capacity=capacity)
+            checkout = checkout or reuse.checkout(ids)
+            try:
+                held = await self._run(reuse.materialize, checkout, capacity=capacity)
+            finally:
+                reuse.cancel(checkout)  # nothing once materialized; else the entry comes back
             m = checkout.cached if held is not None else 0
         peer, decision = await self.choose_peer(req, len(ids) - m)  # the uncached suffix
         remote, fallback, cache = None, None, None

@@ -105,15 +105,20 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return _error(exc)
     gen = req.generate_request(max_tokens)
     need = state.coordinator.kv_need(len(ids), max_tokens)
-    with Slot(state, "generate"), state.ledger.hold(need, "this request"):
+    with (
+        state.coordinator.reusing(gen, ids) as checkout,
+        Slot(state, "generate"),
+        state.ledger.hold(need, "this request"),
+    ):
         state.count("chat_completions" if chat else "completions")
         reply = Reply.new(chat, int(time.time()), req.model, state.spec.fingerprint)
         run = _Run(request, state, req, reply)
 
         def work():
             return state.coordinator.generate(
-                gen, run.emit, arrived=arrived, prompt_ids=ids, until=lambda: run.stops.hit
-            )
+                gen, run.emit, arrived=arrived, prompt_ids=ids, until=lambda: run.stops.hit,
+                checkout=checkout,
+            )  # fmt: skip
 
         return await (run.stream(work) if req.stream else run.respond(work))
 

@@ -49,13 +49,15 @@ class _Entry:
     pins: int = 0  # copies in progress read it: not evictable meanwhile
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Checkout:
-    """A request's share of the prefix cache, decided under the lock (no tensor work yet)."""
+    """A request's share of the prefix cache, decided under the lock (no tensor work yet).
+    Settled exactly once, by `materialize` or `cancel`, whichever comes first."""
 
     how: str  # "take" | "copy" | "none"
     cached: int = 0  # positions [0, cached) of the prompt the request will not compute
     entry: _Entry | None = field(default=None, repr=False)
+    settled: bool = False
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -107,8 +109,8 @@ class PrefixCache:
 
     def materialize(self, co: Checkout, *, capacity: int) -> Any | None:
         """On the compute thread: the request's own cache holding positions [0, co.cached)
-        with room for `capacity` (None: nothing reused)."""
-        if co.entry is None:
+        with room for `capacity` (None: nothing reused, or the checkout was cancelled)."""
+        if co.entry is None or not self._settle(co):
             return None
         if co.how == "take":
             cache = co.entry.cache
@@ -119,15 +121,24 @@ class PrefixCache:
         try:
             return self.ops.fork(co.entry.cache, co.cached, capacity)
         finally:
-            self.cancel(co)
-
-    def cancel(self, co: Checkout) -> None:
-        """Undo a checkout that will not be materialized (a taken entry comes back)."""
-        if co.how == "take" and co.entry is not None and co.entry.cache is not None:
-            self.put(co.entry.tokens, co.entry.cache)
-        elif co.how == "copy" and co.entry is not None:
             with self._lock:
                 co.entry.pins -= 1
+
+    def cancel(self, co: Checkout) -> None:
+        """Undo a checkout that was not materialized (a taken entry comes back, a copied one
+        is unpinned); nothing once it was. Safe to call on every path out of a request."""
+        if co.entry is None or not self._settle(co):
+            return
+        if co.how == "take":
+            self.put(co.entry.tokens, co.entry.cache)
+        else:
+            with self._lock:
+                co.entry.pins -= 1
+
+    def _settle(self, co: Checkout) -> bool:
+        with self._lock:
+            first, co.settled = not co.settled, True
+            return first
 
     def put(self, tokens: Sequence[int], cache: Any) -> None:
         """Keep a finished request's cache (it covers exactly `tokens`); entries that are a

@@ -191,7 +191,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (ValueError, ExoSplitError) as exc:
         return error(400, "bad_request", str(exc))
     need = state.coordinator.kv_need(len(ids), req.max_tokens)
-    with Slot(state, "generate"), state.ledger.hold(need, "this request"):
+    with (
+        state.coordinator.reusing(req, ids) as checkout,
+        Slot(state, "generate"),
+        state.ledger.hold(need, "this request"),
+    ):
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
         write = Writer(resp, state.timeouts.idle)
@@ -210,8 +214,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         state.count("generates")
         try:
             work = state.coordinator.generate(
-                req, emit, arrived=arrived, prompt_ids=ids, emit_many=emit_many
-            )
+                req, emit, arrived=arrived, prompt_ids=ids, emit_many=emit_many,
+                checkout=checkout,
+            )  # fmt: skip
             done = await while_connected(request, work, on_lost=lambda: None, tick=heartbeat)
             if done["report"].get("fallback"):
                 state.count("fallbacks")
