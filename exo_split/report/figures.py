@@ -129,6 +129,12 @@ def _to_decode_clock(p: LayerTiming, offset: float) -> LayerTiming:
     )
 
 
+def _computed(tl: Timeline) -> int:
+    """The positions the prefill computed: the prompt, less a reused prefix."""
+    computed = (tl.prefix or {}).get("computed_tokens")
+    return computed if isinstance(computed, int) and computed > 0 else tl.prompt_tokens
+
+
 def build_report(tl: Timeline) -> HandoffReport:
     offset, uncertainty = clock_offset(tl.clock, tl.layers) if tl.clock else (0.0, None)
     local = tl.mode == "local"
@@ -177,7 +183,7 @@ def build_report(tl: Timeline) -> HandoffReport:
         itl_p99_s=percentile(itl, 99),
         decode_tokens_per_s=len(itl) / decode_span if decode_span > 0 else None,
         prefill_compute_s=prefill_s,
-        prefill_tokens_per_s=tl.prompt_tokens / prefill_s if prefill_s > 0 else None,
+        prefill_tokens_per_s=_computed(tl) / prefill_s if prefill_s > 0 else None,
         kv_bytes=kv_bytes,
         wire_time_s=wire,
         transfer_span_s=span,
