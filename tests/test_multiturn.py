@@ -105,6 +105,20 @@ def test_a_conversation_reuses_both_caches_and_moves_only_the_new_kv(pair, ckpt)
     assert cache["entries"] >= 1 and 0 < cache["bytes"] <= cache["limit"] == 2 * 2**20
 
 
+def test_a_failed_peer_falls_back_to_a_local_prefill_on_top_of_the_held_prefix(pair, ckpt):
+    history = prompt_ids(120, seed=50)
+    done = turn(pair, ckpt, history, "local")
+    history = history + done["tokens"] + prompt_ids(31, seed=51)[1:]
+    _, decode = pair
+    body = {"token_ids": history, "max_tokens": NEW, "prefill_peer": "127.0.0.1:9"}
+    done = generate_sync(decode.url, body)  # nothing listens there: the fallback prefills
+    assert done["report"]["fallback"] and done["report"]["mode"] == "local"
+    assert done["tokens"] == reference_generate(ckpt, history, NEW)
+    held = 120 + NEW - 1
+    assert done["report"]["prefix"] == {"decode_cached_tokens": held, "prefill_cached_tokens": 0,
+                                        "computed_tokens": len(history) - held}  # fmt: skip
+
+
 def test_the_caches_evict_lru_and_refuse_nothing_that_fits(pair, ckpt):
     prefill, decode = pair
     convs = {c: prompt_ids(300, seed=100 + c) for c in range(3)}

@@ -244,7 +244,8 @@ def test_the_renderings_show_the_prefix_block():
     assert line in render_terminal(report, width=200) and "no KV moved" in render_html(report)
 
 
-def test_the_coordinator_judges_the_uncached_suffix_and_a_refused_request_gives_back(llama):
+@pytest.mark.parametrize("name", ["mlx", "torch"])
+def test_the_coordinator_judges_the_uncached_suffix_and_a_refused_request_gives_back(llama, name):
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -257,7 +258,7 @@ def test_the_coordinator_judges_the_uncached_suffix_and_a_refused_request_gives_
     from exo_split.transport.messages import GenerateRequest
 
     compute = ThreadPoolExecutor(max_workers=1)
-    backend = compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    backend = compute.submit(load_backend, name, llama, device="cpu").result()
     prefix = PrefixCache(backend, limit_bytes=64 * 2**20)
     asked = []
 
