@@ -27,7 +27,8 @@ def test_a_chat_request_with_every_option():
         CHAT | {"max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
                 "stop": "\n", "stream": True, "stream_options": {"include_usage": True},
                 "n": 1, "presence_penalty": 0, "user": "someone",
-                "exo_split": {"prefill": "remote", "prefill_peer": "h:1"}},
+                "exo_split": {"prefill": "remote", "prefill_peer": "h:1",
+                              "prefix_cache": False}},
         chat=True,
     )  # fmt: skip
     assert (req.max_tokens, req.stop, req.stream, req.include_usage) == (7, ("\n",), True, True)
@@ -35,6 +36,8 @@ def test_a_chat_request_with_every_option():
     gen = req.generate_request(7)
     assert gen.messages == ({"role": "user", "content": "hi"},)
     assert (gen.prefill, gen.prefill_peer, gen.max_tokens) == ("remote", "h:1", 7)
+    assert gen.prefix_cache is False
+    assert CompletionRequest.from_json(CHAT, chat=True).generate_request(1).prefix_cache is True
 
 
 def test_defaults_follow_openai():

@@ -138,7 +138,8 @@ SPLIT_OPTIONS = {"prefill": ("auto", "remote", "local"), "fallback": ("local", "
 
 
 def _split_options(options: Any) -> dict[str, Any]:
-    """{"prefill": auto|remote|local, "prefill_peer": "host:port", "fallback": local|none}."""
+    """{"prefill": auto|remote|local, "prefill_peer": "host:port", "fallback": local|none,
+    "prefix_cache": true|false}."""
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -150,12 +151,15 @@ def _split_options(options: Any) -> dict[str, Any]:
             and value in SPLIT_OPTIONS[name]
             or name == "prefill_peer"
             and isinstance(value, str)
+            or name == "prefix_cache"
+            and isinstance(value, bool)
         ):
             out[name] = value
         else:
             allowed = ", ".join(f"{k}: {'|'.join(v)}" for k, v in SPLIT_OPTIONS.items())
             raise _bad(
-                f"exo_split.{name}={value!r} is not an option ({allowed}; prefill_peer: HOST:PORT)",
+                f"exo_split.{name}={value!r} is not an option ({allowed}; prefill_peer: "
+                "HOST:PORT; prefix_cache: true|false)",
                 f"exo_split.{name}",
             )
     return out
