@@ -39,11 +39,15 @@ class Lab:
         logs: Path | None,
         progress: Progress,
         scale: tuple[Path, list[str]] | None = None,
+        more: dict[str, tuple[Path, list[str], Path | None]] | None = None,
     ):
         self.model, self.cpus, self.logs, self.progress = model, cpus, logs, progress
-        # A second pair of nodes (another checkpoint, other node options), started with the
-        # first so that their start-up overlaps; idle until `use("scale")`.
+        # More pairs of nodes (another checkpoint, other node options), started with the
+        # first so that their start-up overlaps; idle until `use(name)`. `more` pairs may
+        # give the decode node its own checkpoint (a quantized copy of the prefill's).
         self.pairs = {"": (model, [])} | ({"scale": scale} if scale else {})
+        self.decode_models = {name: d for name, (_, _, d) in (more or {}).items() if d}
+        self.pairs |= {name: (m, args) for name, (m, args, _) in (more or {}).items()}
         self.token = os.urandom(16).hex()
         self._tmp = tempfile.TemporaryDirectory(prefix="exo-split-bench-")
         self.work = Path(self._tmp.name)
@@ -109,7 +113,8 @@ class Lab:
             ("decode", self.b, decode_cpu, "mlx"),
         ):
             name = f"{role}{pair and '-' + pair}"
-            self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(model),
+            ckpt = self.decode_models.get(pair, model) if role == "decode" else model
+            self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(ckpt),
                         "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
                         "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
 
@@ -120,6 +125,9 @@ class Lab:
         self.decode_name = f"decode{suffix}"
         self.decode_url = f"http://{self.b.ipv4}:{self.ready[self.decode_name]['port']}"
         self.prefill_addr = f"{self.a.ipv4}:{self.ready[f'prefill{suffix}']['port']}"
+
+    def decode_pid(self) -> int:
+        return self.procs[self.decode_name].pid
 
     def decode_memory(self) -> dict:
         """The decode node's resident memory now and its peak since `reset_peak()` (bytes)."""
