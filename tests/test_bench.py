@@ -17,7 +17,7 @@ _reason = netns_unavailable_reason()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.slow,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(480),
     pytest.mark.skipif(_reason is not None, reason=_reason or ""),
 ]
 
@@ -42,7 +42,7 @@ def test_quick_bench_reports_every_figure(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
-        stdout, stderr = proc.communicate(timeout=240)
+        stdout, stderr = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:  # timed out: SIGTERM lets the bench remove its namespaces
             proc.terminate()
@@ -76,6 +76,24 @@ def test_quick_bench_reports_every_figure(tmp_path):
     for name in ("overlap_efficiency", "exposed_handoff", "transport_vs_plain"):
         assert doc["targets"][name]["met"] is None  # no prompt of 1,024 tokens in --quick
     assert doc["targets"]["decode_itl_ratio"]["worst"] == itl["ratio"]
+
+    # The short-step decode section (bench/itl.py): every variant against mlx-lm.
+    assert "short-step checkpoint" in card and "4-bit decode tok/s" in card
+    st = doc["short_step"]
+    assert st["config"]["num_hidden_layers"] == 4 and st["quantization"]["bits"] == 4
+    rows = {(r["weights"], r["temperature"]): r for r in st["rows"]}
+    assert set(rows) == {(w, t) for w in ("full", "q4") for t in (0.0, 0.8)}
+    for r in rows.values():
+        assert r["split_itl_p50_s"] > 0 and r["mlx_lm_itl_p50_s"] > 0 and r["ratio"] > 0
+        # CPU per token, by kind of thread: the node's compute thread is told apart by name.
+        assert r["split_host_per_token_s"] > 0 and r["split_mlx_per_token_s"] > 0
+        assert r["mlx_lm_host_per_token_s"] > 0 and r["mlx_lm_mlx_per_token_s"] > 0
+        assert 0 <= r["host_corrected"] <= r["host_checked"] <= r["decode_steps"]
+    # Greedy, mlx-lm decodes from the same handed-off state: the same tokens, 4-bit too.
+    assert rows["full", 0.0]["same_tokens"] is True and rows["q4", 0.0]["same_tokens"] is True
+    assert st["q_speed"]["split"] > 0 and st["q_speed"]["mlx_lm"] > 0
+    assert st["target"]["worst_full_precision"] == max(rows["full", t]["ratio"] for t in (0.0, 0.8))
+    assert len(st["load_average_1m"]) == 2
 
     # The real-size section (bench/scale.py), small in --quick: 8 KV heads x 128, 4 MiB layers.
     assert "real-size KV" in card and "Llama-3.1-8B, 8K prompt, 10 GbE" in card

@@ -222,6 +222,24 @@ def summarize(s, unshaped, local, points, baseline, skipped) -> dict:
 # ---- the card ---------------------------------------------------------------------------------
 
 
+def render_itl(itl: list[dict], *, width: int = 120) -> str:
+    """The bench model's decode ITL rows: after a handoff vs mlx-lm's own prefill + decode."""
+    from rich import box
+    from rich.table import Table
+
+    from exo_split.report.text import render_rich
+
+    table = Table(title="decode ITL p50 (ms) after a handoff vs mlx-lm's own",
+                  title_justify="left", box=box.SIMPLE_HEAD, min_width=60)  # fmt: skip
+    for col in ("tokens", "split", "mlx-lm", "ratio", "same tokens"):
+        table.add_column(col, justify="right")
+    for i in itl:
+        table.add_row(f"{i['prompt_tokens']:,}", _ms(i["split_itl_p50_s"], 2),
+                      _ms(i["mlx_lm_itl_p50_s"], 2), _x(i["ratio"], ".3f"),
+                      "yes" if i["same_tokens"] else "no")  # fmt: skip
+    return render_rich(table, width)
+
+
 def _ms(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x * 1e3:,.{digits}f}"
 
@@ -265,15 +283,7 @@ def render_card(doc: dict, *, width: int = 120) -> str:
             )  # fmt: skip
         lines += ["", render_rich(table, width + 40)]  # its natural width: about 125 columns
     if doc["itl"]:
-        table = Table(title="decode ITL p50 (ms) after a handoff vs mlx-lm's own",
-                      title_justify="left", box=box.SIMPLE_HEAD, min_width=60)  # fmt: skip
-        for col in ("tokens", "split", "mlx-lm", "ratio", "same tokens"):
-            table.add_column(col, justify="right")
-        for i in doc["itl"]:
-            table.add_row(f"{i['prompt_tokens']:,}", _ms(i["split_itl_p50_s"], 2),
-                          _ms(i["mlx_lm_itl_p50_s"], 2), _x(i["ratio"], ".3f"),
-                          "yes" if i["same_tokens"] else "no")  # fmt: skip
-        lines += ["", render_rich(table, width)]
+        lines += ["", render_itl(doc["itl"], width=width)]
     t = doc["targets"]
     ok = {True: "met", False: "MISSED", None: "n/a (no such point)"}
     fmt_worst = lambda d: ", ".join(f"{k} {_x(v)}" for k, v in d.items()) or "—"  # noqa: E731

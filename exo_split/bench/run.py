@@ -11,7 +11,9 @@ On each setting it reports TTFT, the exposed handoff against its target, the ove
 efficiency (T_seq - T_ovl) / (T_seq - T_ideal), with T_ideal the pipelined bound from the
 measured per-layer compute times and the link rate measured by a plain TCP socket, and the
 transport's throughput against that socket carrying the same bytes over the same link. Then
-decode ITL after a handoff against mlx-lm's own prefill + decode of the same prompt.
+decode ITL after a handoff against mlx-lm's own prefill + decode of the same prompt, on this
+model and on the short-step checkpoint (bench/itl.py: greedy and temperature 0.8, full
+precision and a 4-bit decode node). `--itl-only` runs the ITL sections alone.
 
 Every point is repeated and the medians are reported. The two nodes are pinned to one CPU each
 (two "machines"), the namespaces and processes are created and removed by the benchmark, and
@@ -31,8 +33,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from exo_split.bench import scale
-from exo_split.bench.figures import Point, Run, layer_compute_s, render_card, summarize
+from exo_split.bench import itl, scale
+from exo_split.bench.figures import (
+    Point,
+    Run,
+    layer_compute_s,
+    render_card,
+    render_itl,
+    summarize,
+)
 from exo_split.bench.lab import BenchError, Lab, Progress
 from exo_split.bench.prompts import prompt_ids
 
@@ -95,6 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", type=Path, help="a checkpoint to use instead of the bench model")
     p.add_argument("--max-minutes", type=float, help="stop measuring after this (default 45)")
+    p.add_argument("--itl-only", action="store_true", help="only the decode ITL sections")
+    p.add_argument(
+        "--itl-repeats",
+        type=int,
+        help="repeats of each short-step ITL variant (default: 2 x --repeats, at least 5)",
+    )
     p.add_argument("--logs", type=Path, help="keep the nodes' logs in this directory")
 
 
@@ -115,6 +130,8 @@ class Settings:
     scale_lengths: tuple[int, ...] = ()
     scale_config: dict | None = None
     scale_only: bool = False
+    itl_only: bool = False
+    itl_repeats: int = 5
 
 
 def settings(args) -> Settings:
@@ -128,10 +145,13 @@ def settings(args) -> Settings:
     scale_lengths = tuple(n for n in (args.scale_lengths or default_scale) if n > 0)
     if args.scale_only and not scale_lengths:
         raise BenchError("--scale-only needs --scale-lengths")
+    if args.scale_only and args.itl_only:
+        raise BenchError("--scale-only and --itl-only exclude each other")
+    repeats = max(1, args.repeats or (1 if quick else 3))
     return Settings(
         lengths=lengths,
         ratios=tuple(args.ratios),
-        repeats=max(1, args.repeats or (1 if quick else 3)),
+        repeats=repeats,
         max_tokens=max(2, args.max_tokens or (6 if quick else 24)),
         itl_lengths=big or (max(lengths),),
         itl_tokens=max(8, 2 * (args.max_tokens or (6 if quick else 24))),
@@ -144,6 +164,8 @@ def settings(args) -> Settings:
         scale_lengths=scale_lengths,
         scale_config=scale.QUICK_SCALE_CONFIG if quick else scale.SCALE_CONFIG,
         scale_only=args.scale_only,
+        itl_only=args.itl_only,
+        itl_repeats=max(1, args.itl_repeats or (1 if quick else max(5, 2 * repeats))),
     )
 
 
@@ -186,8 +208,11 @@ def bench_model(config_overrides: dict, progress: Progress, tag: str = "") -> Pa
 
 
 class Bench:
-    def __init__(self, lab: Lab, s: Settings, spec, progress: Progress):
+    def __init__(
+        self, lab: Lab, s: Settings, spec, progress: Progress, short_models: dict | None = None
+    ):
         self.lab, self.s, self.progress = lab, s, progress
+        self.short_models = short_models or {}  # the short-step checkpoints: "full", "q4"
         self.spec, self.vocab = spec, spec.vocab_size
         self.t0 = time.monotonic()
         self.skipped: list[str] = []
@@ -284,10 +309,40 @@ class Bench:
         return pairs
 
     def run(self) -> dict:
-        doc = self.run_small() if not self.s.scale_only else {"schema": SCHEMA_SCALE_ONLY}
-        if self.s.scale_lengths:
+        if self.s.itl_only:
+            doc = {"schema": SCHEMA_ITL_ONLY, "itl": self.run_itl(), "repeats": self.s.repeats}
+        elif self.s.scale_only:
+            doc = {"schema": SCHEMA_SCALE_ONLY}
+        else:
+            doc = self.run_small()
+        if not self.s.scale_only:
+            doc["short_step"] = self.run_short_step()
+        if self.s.scale_lengths and not self.s.itl_only:
             doc["scale"] = self.run_scale()
         return doc
+
+    def vocab_of(self, model: Path) -> int:
+        from exo_split.spec import load_spec
+
+        return load_spec(model).vocab_size
+
+    def run_itl(self) -> list[dict]:
+        """The bench model's ITL rows alone (what run_small ends with)."""
+        from exo_split.bench.figures import itl_figures
+
+        self.lab.use("")
+        out = []
+        for n in self.s.itl_lengths:
+            self.progress(f"decode ITL: after a handoff and mlx-lm's own, {n} tokens")
+            out.append(itl_figures(n, self.itl_pairs(n)))
+        return out
+
+    def run_short_step(self) -> dict:
+        """bench/itl.py's variants on the short-step checkpoint and its 4-bit copy."""
+        self.progress(f"decode ITL on the short-step checkpoint, {self.s.itl_repeats} repeats")
+        out = itl.measure(self, self.short_models, self.s.itl_repeats, self.s.quick)
+        self.lab.use("")
+        return out
 
     def run_small(self) -> dict:
         self.lab.shape(None)
@@ -333,6 +388,7 @@ class Bench:
 
 
 SCHEMA_SCALE_ONLY = "exo-split.bench-scale/1"
+SCHEMA_ITL_ONLY = "exo-split.bench-itl/1"
 
 
 def main(args) -> int:
@@ -350,18 +406,32 @@ def main(args) -> int:
                   "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.head_dim}  # fmt: skip
         s = replace(s, config=config)
     pair = None
-    if s.scale_lengths:
+    if s.scale_lengths and not s.itl_only:
         pair = (bench_model(s.scale_config, progress, tag="-kv8x128"), scale.NODE_ARGS)
+    short = {}
+    if not s.scale_only:
+        config = itl.config(s.quick)
+        full = bench_model(config, progress, tag=itl.tag(config))
+        short = {"full": full, f"q{itl.Q_BITS}": itl.quantized_copy(full, progress)}
+    more = None
+    if short:
+        more = {"short": (short["full"], [], None), "short-q4": (short["full"], [], short["q4"])}
     previous = signal.signal(signal.SIGTERM, _terminate)  # so the namespaces are removed
     try:
-        with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress, scale=pair) as lab:
-            doc = Bench(lab, s, spec, progress).run()
+        with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress, scale=pair,
+                 more=more) as lab:  # fmt: skip
+            doc = Bench(lab, s, spec, progress, short).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
     doc["model"] = doc["scale"]["model"] if s.scale_only else str(model)
     doc["elapsed_s"] = time.monotonic() - t0
     doc["command"] = "exo-split bench " + " ".join(_argv_of(args))
-    cards = [] if s.scale_only else [render_card(doc)]
+    if s.itl_only:
+        cards = [render_itl(doc["itl"])] if doc["itl"] else []
+    else:
+        cards = [] if s.scale_only else [render_card(doc)]
+    if "short_step" in doc:
+        cards.append(itl.render(doc["short_step"]))
     if "scale" in doc:
         cards.append(scale.render(doc["scale"]))
     print("\n\n".join(cards), flush=True)
@@ -377,8 +447,9 @@ def _argv_of(args) -> list[str]:
     """The options given, as they would be typed (for the JSON's `command`)."""
     out = ["--quick"] if args.quick else []
     out += ["--scale-only"] if args.scale_only else []
+    out += ["--itl-only"] if getattr(args, "itl_only", False) else []
     for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes",
-                "scale_lengths"):  # fmt: skip
+                "scale_lengths", "itl_repeats"):  # fmt: skip
         value = getattr(args, key, None)
         if (
             value is None
