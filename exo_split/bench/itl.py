@@ -221,7 +221,7 @@ def render(doc: dict, width: int = 120) -> str:
     x = lambda v: "—" if v is None else f"{v:.2f}x"  # noqa: E731
     verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
     return "\n".join([
-        render_rich(table, width + 20),
+        render_rich(table, width + 30),
         f"times in ms (ITL p50: medians over {doc['rows'][0]['runs']} runs; ratio: median of "
         "the runs' split/mlx-lm ratios, and their range); host/tok, MLX/tok: CPU per token "
         "(scheduler time, load-independent): host = event loop + compute thread (mlx-lm: its "
