@@ -146,7 +146,7 @@ def test_demo_answers_from_the_real_model(smollm2, tmp_path):
     from reference import reference_chat
     from transformers import AutoTokenizer
 
-    from exo_split.cli import demo_document as doc
+    from exo_split.models import demo_document as doc
 
     proc = subprocess.run(
         [sys.executable, "-m", "exo_split", "demo", "--json", "--max-tokens", "40",

@@ -87,7 +87,7 @@ def _model(args) -> tuple[Path, str]:
 
 def _request(kind: str, args, vocab_size: int) -> tuple[dict, str]:
     """The generate body and the line that says what is asked."""
-    from exo_split.cli import demo_document as doc
+    from exo_split.models import demo_document as doc
 
     if kind == TINY:
         n = args.prompt_tokens or TINY_PROMPT_TOKENS

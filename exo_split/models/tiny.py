@@ -74,6 +74,26 @@ def sample_prompt(n_words: int, *, seed: int = 0, vocab_size: int = 512) -> str:
     return " ".join(vocab[i] for i in rng.integers(0, len(vocab), n_words))
 
 
+def chat_template() -> str:
+    """A ChatML-like chat template over the word-level vocabulary's own first two words (its
+    markers of a message's start and end), so that every token of a rendered chat is a word
+    of the vocabulary except the roles. It never writes </s>: a reply that ended with it is
+    rendered differently next turn, as real templates often do."""
+    begin, end = words(2)
+    return (
+        "{% for m in messages %}" + begin + " {{ m['role'] }} {{ m['content'] }} " + end + " "
+        "{% endfor %}{% if add_generation_prompt %}" + begin + " assistant{% endif %}"
+    )
+
+
+def add_chat_template(model_dir: str | Path, template: str | None = None) -> Path:
+    """Give a checkpoint a chat template (tokenizer_config.json), `chat_template()` by default."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(config | {"chat_template": template or chat_template()}, indent=2))
+    return Path(model_dir)
+
+
 # The embedded default: big enough that per-layer compute shows in the timeline on a
 # laptop CPU (a few hundred ms of prefill for ~1,000 tokens), small enough to build in seconds.
 DEFAULT_CONFIG = {
