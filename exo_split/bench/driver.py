@@ -4,7 +4,8 @@
 and gets N bytes back, written from one preallocated buffer. `drive`: a worker on the decode
 side that reads one JSON command per stdin line and answers one JSON line on stdout:
 
-    {"op": "generate", "url": ..., "body": {...}}      -> {"client_ttft_s", "tokens", "report"}
+    {"op": "generate", "url": ..., "body": {...}}      -> {"client_ttft_s", "tokens", "text",
+                                                            "report"}
     {"op": "socket", "host", "port", "nbytes"}         -> {"seconds", "gbps"}
     {"op": "mlx_lm", "model", "token_ids", "max_tokens"} -> {"ttft_s", "token_times", "tokens"}
 
@@ -123,7 +124,8 @@ async def generate(url: str, body: dict, token: str, cpu_pid: int | None = None)
             elif kind == "error":
                 raise RuntimeError(f"the decode node failed the request: {event.get('message')}")
             elif kind == "done":
-                out = {"client_ttft_s": ttft, "tokens": event["tokens"], "report": event["report"]}
+                out = {"client_ttft_s": ttft, "tokens": event["tokens"], "text": event.get("text"),
+                       "report": event["report"]}  # fmt: skip
                 if cpu is not None:
                     out["cpu"] = _cpu_since(cpu, cpu_pid)
                 return out

@@ -1,6 +1,9 @@
 """The benchmark's two "machines": network namespaces joined by a veth pair, the two nodes,
 a plain-socket source and the driver in them, and the link's tc tbf shaping. Everything is
 created on entry and removed on exit (processes by pid, then the namespaces).
+
+`loopback=True`: the two nodes and the driver on 127.0.0.1 instead, no namespaces, no
+source, no shaping (`bench --multiturn`, which measures reuse, not the link; needs no root).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from exo_split.errors import ExoSplitError
 
 TBF_LATENCY = "50ms"
 Progress = Callable[[str], None]
+LOOPBACK = netns.Netns(name="", veth="lo", ipv4="127.0.0.1")  # no namespace: the host's loopback
 
 
 class BenchError(ExoSplitError):
@@ -40,12 +44,16 @@ class Lab:
         progress: Progress,
         scale: tuple[Path, list[str]] | None = None,
         more: dict[str, tuple[Path, list[str], Path | None]] | None = None,
+        loopback: bool = False,
+        node_args: list[str] | None = None,
+        warmup: bool = False,
     ):
         self.model, self.cpus, self.logs, self.progress = model, cpus, logs, progress
+        self.loopback, self.warmup = loopback, warmup
         # More pairs of nodes (another checkpoint, other node options), started with the
         # first so that their start-up overlaps; idle until `use(name)`. `more` pairs may
         # give the decode node its own checkpoint (a quantized copy of the prefill's).
-        self.pairs = {"": (model, [])} | ({"scale": scale} if scale else {})
+        self.pairs = {"": (model, node_args or [])} | ({"scale": scale} if scale else {})
         self.decode_models = {name: d for name, (_, _, d) in (more or {}).items() if d}
         self.pairs |= {name: (m, args) for name, (m, args, _) in (more or {}).items()}
         self.token = os.urandom(16).hex()
@@ -57,11 +65,14 @@ class Lab:
         self.pair = ""
 
     def __enter__(self) -> Lab:
-        reason = netns.netns_unavailable_reason()
+        reason = None if self.loopback else netns.netns_unavailable_reason()
         if reason is not None:
             raise BenchError(f"cannot create network namespaces: {reason}")
         try:
-            self.a, self.b = self._stack.enter_context(netns.netns_pair())
+            if self.loopback:
+                self.a = self.b = LOOPBACK
+            else:
+                self.a, self.b = self._stack.enter_context(netns.netns_pair())
             self._start()
         except BaseException:
             self.close()
@@ -81,7 +92,7 @@ class Lab:
         log = open(self.work / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         proc = subprocess.Popen(
-            [*netns.ns_exec_prefix(ns), sys.executable, *argv],
+            [*(netns.ns_exec_prefix(ns) if ns.name else []), sys.executable, *argv],
             stderr=log, env=self._env(cpu is not None), preexec_fn=pin,
             **({"stdout": log, "stdin": subprocess.DEVNULL} | kw),
         )  # fmt: skip
@@ -93,12 +104,15 @@ class Lab:
         prefill_cpu, decode_cpu = self.cpus or (None, None)
         for pair, (model, node_args) in self.pairs.items():
             self._spawn_nodes(pair, model, node_args)
-        self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench.driver", "source",
-                    self.a.ipv4, str(self.work / "source.json")])  # fmt: skip
+        sources = [] if self.loopback else ["source"]
+        if sources:
+            self._spawn("source", self.a, prefill_cpu, ["-m", "exo_split.bench.driver", "source",
+                        self.a.ipv4, str(self.work / "source.json")])  # fmt: skip
         self._spawn("driver", self.b, decode_cpu, ["-m", "exo_split.bench.driver", "drive"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
         names = [f"{role}{pair and '-' + pair}" for pair in self.pairs for role in ("prefill", "decode")]  # fmt: skip
-        self.ready = {name: self._wait_ready(name) for name in (*names, "source")}
+        for name in (*names, *sources):
+            self.ready[name] = self.ready.get(name) or self._wait_ready(name)
         self.use("")
         self._selector = selectors.DefaultSelector()
         self._selector.register(self.procs["driver"].stdout, selectors.EVENT_READ)
@@ -106,8 +120,9 @@ class Lab:
     def _spawn_nodes(self, pair: str, model: Path, node_args: list[str]) -> None:
         prefill_cpu, decode_cpu = self.cpus or (None, None)
         # No mDNS (traffic stays between the two namespaces); no start-up speed measurement
-        # (the benchmark warms both nodes itself).
-        extra = ["--no-mdns", "--no-warmup", *node_args]
+        # (the benchmark warms both nodes itself) unless `warmup`: the nodes' policy then
+        # chooses where to prefill from the speeds they measured.
+        extra = ["--no-mdns", *([] if self.warmup else ["--no-warmup"]), *node_args]
         for role, ns, cpu, backend in (
             ("prefill", self.a, prefill_cpu, "torch"),
             ("decode", self.b, decode_cpu, "mlx"),
@@ -117,6 +132,11 @@ class Lab:
             self._spawn(name, ns, cpu, ["-m", "exo_split", "node", "--model", str(ckpt),
                         "--backend", backend, "--device", "cpu", "--host", ns.ipv4, "--port", "0",
                         "--ready-file", str(self.work / f"{name}.json"), *extra])  # fmt: skip
+            if self.loopback and role == "prefill":
+                # The decode node knows its prefill peer as a user's static one (--peer), so
+                # requests need not name it and its policy chooses: the peer's port first.
+                self.ready[name] = self._wait_ready(name)
+                extra = [*extra, "--peer", f"{ns.ipv4}:{self.ready[name]['port']}"]
 
     def use(self, pair: str) -> None:
         """Send the next requests to this pair of nodes ("": the first, "scale")."""

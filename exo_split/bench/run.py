@@ -84,6 +84,18 @@ def _floats(text: str) -> list[float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 short prompts")
+    p.add_argument(
+        "--multiturn",
+        action="store_true",
+        help="instead: a 5-turn conversation on loopback, each turn with and without prefix "
+        "reuse (bench/multiturn.py; SmolLM2, or --model, or a tiny model with --quick)",
+    )
+    p.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        metavar="N",
+        help="with --multiturn: each node's prefix cache budget (default: the nodes' own)",
+    )
     p.add_argument("--lengths", type=_ints, help="prompt lengths (default 128,...,4096)")
     p.add_argument(
         "--ratios", type=_floats, default=[0.6, 1.5], help="transfer/compute per layer per link"
@@ -155,7 +167,7 @@ def settings(args) -> Settings:
         max_tokens=max(2, args.max_tokens or (6 if quick else 24)),
         itl_lengths=big or (max(lengths),),
         itl_tokens=max(8, 2 * (args.max_tokens or (6 if quick else 24))),
-        cpus=_cpus(args.cpus),
+        cpus=cpus_of(args.cpus),
         config=QUICK_CONFIG if quick else BENCH_CONFIG,
         model=args.model,
         deadline_s=60 * (args.max_minutes or (3 if quick else 45)),
@@ -169,7 +181,7 @@ def settings(args) -> Settings:
     )
 
 
-def _cpus(text: str) -> tuple[int, int] | None:
+def cpus_of(text: str) -> tuple[int, int] | None:
     if text == "none":
         return None
     if text == "auto":
@@ -391,11 +403,18 @@ SCHEMA_SCALE_ONLY = "exo-split.bench-scale/1"
 SCHEMA_ITL_ONLY = "exo-split.bench-itl/1"
 
 
-def main(args) -> int:
+def progress_printer() -> Progress:
+    """Progress lines on stderr, stamped with the seconds since this call."""
+    t0 = time.monotonic()
+
     def progress(message: str) -> None:
         print(f"[bench {time.monotonic() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-    t0 = time.monotonic()
+    return progress
+
+
+def main(args) -> int:
+    progress, t0 = progress_printer(), time.monotonic()
     s = settings(args)
     model = s.model or bench_model(s.config, progress)
     from exo_split.spec import load_spec
@@ -416,7 +435,7 @@ def main(args) -> int:
     more = None
     if short:
         more = {"short": (short["full"], [], None), "short-q4": (short["full"], [], short["q4"])}
-    previous = signal.signal(signal.SIGTERM, _terminate)  # so the namespaces are removed
+    previous = signal.signal(signal.SIGTERM, terminate)  # so the namespaces are removed
     try:
         with Lab(model, cpus=s.cpus, logs=s.logs, progress=progress, scale=pair,
                  more=more) as lab:  # fmt: skip
@@ -425,7 +444,7 @@ def main(args) -> int:
         signal.signal(signal.SIGTERM, previous)
     doc["model"] = doc["scale"]["model"] if s.scale_only else str(model)
     doc["elapsed_s"] = time.monotonic() - t0
-    doc["command"] = "exo-split bench " + " ".join(_argv_of(args))
+    doc["command"] = "exo-split bench " + " ".join(argv_of(args))
     if s.itl_only:
         cards = [render_itl(doc["itl"])] if doc["itl"] else []
     else:
@@ -439,17 +458,17 @@ def main(args) -> int:
     return 0
 
 
-def _terminate(signum, frame) -> None:
+def terminate(signum, frame) -> None:
     raise KeyboardInterrupt  # unwinds through Lab.close(); the CLI reports it as interrupted
 
 
-def _argv_of(args) -> list[str]:
+def argv_of(args) -> list[str]:
     """The options given, as they would be typed (for the JSON's `command`)."""
     out = ["--quick"] if args.quick else []
     out += ["--scale-only"] if args.scale_only else []
     out += ["--itl-only"] if getattr(args, "itl_only", False) else []
     for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes",
-                "scale_lengths", "itl_repeats"):  # fmt: skip
+                "scale_lengths", "itl_repeats", "prefix_cache_bytes"):  # fmt: skip
         value = getattr(args, key, None)
         if (
             value is None

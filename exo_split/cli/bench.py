@@ -1,4 +1,5 @@
-"""`exo-split bench`: the overlap benchmark between two network namespaces (root, Linux)."""
+"""`exo-split bench`: the overlap benchmark between two network namespaces (root, Linux);
+`--multiturn`: prefix reuse over a conversation, on loopback (bench/multiturn.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def add_bench(subparsers) -> None:
 
 
 def cmd_bench(args) -> int:
+    if args.multiturn:
+        from exo_split.bench import multiturn
+
+        return multiturn.main(args)
     from exo_split.bench import run as bench
 
     return bench.main(args)
