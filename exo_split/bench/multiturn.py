@@ -165,12 +165,14 @@ def render_card(doc: dict, *, width: int = 120) -> str:
 
     from exo_split.report.text import render_rich
 
-    table = Table(
-        title=f"exo-split bench --multiturn · {Path(doc['model']).name} · torch prefill → mlx "
-        f"decode on 127.0.0.1 · cpus {doc['cpus'] or 'not pinned'} · {doc['max_tokens']} "
-        "reply tokens at most · greedy",
-        title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-    )  # fmt: skip
+    header = [
+        f"exo-split bench --multiturn · {Path(doc['model']).name} · torch prefill → mlx decode "
+        f"on 127.0.0.1 · greedy · {doc['max_tokens']} reply tokens at most",
+        f"cpus: {doc['cpus'] or 'not pinned'} · each turn with and without prefix reuse, same "
+        f"history · load average {doc['load_average']['start'][0]:.1f} at the start, "
+        f"{doc['load_average']['end'][0]:.1f} at the end (1 min)",
+    ]
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("turn", "prompt", "new", "prefill", "TTFT", "no reuse", "prefill ", "/turn 1",
                 "/no reuse", "KV MB", "no reuse ", "moved", "held dec", "held pre", "computed",
                 "only new", "same"):  # fmt: skip
@@ -198,6 +200,7 @@ def render_card(doc: dict, *, width: int = 120) -> str:
 
     new = t["only_new_kv"]
     return "\n".join([
+        *header,
         render_rich(table, width + 60),  # its natural width: about 165 columns
         "targets (turns ≥ 2):",
         ratio("turn 1's", "ttft_vs_turn1"),
@@ -233,7 +236,7 @@ def measure(args, cpus: tuple[int, int] | None, progress) -> dict:
     from exo_split.chat import has_chat_template
     from exo_split.spec import load_spec
 
-    t0 = time.monotonic()
+    t0, load = time.monotonic(), os.getloadavg()
     model = chat_model(args, progress)
     if not has_chat_template(model):
         raise BenchError(f"{model} has no chat template: --multiturn needs an instruct model")
@@ -258,7 +261,7 @@ def measure(args, cpus: tuple[int, int] | None, progress) -> dict:
         "cpus": {"prefill": cpus[0], "decode": cpus[1]} if cpus else None,
         "max_tokens": max_tokens,
         "prefix_cache_bytes": args.prefix_cache_bytes,
-        "load_average": os.getloadavg(),
+        "load_average": {"start": load, "end": os.getloadavg()},
         "turns": rows,
         "targets": summarize(rows),
         "elapsed_s": time.monotonic() - t0,
