@@ -43,13 +43,15 @@ def request(lab: Lab, messages: list[dict], max_tokens: int, *, reuse: bool) -> 
         body["prefix_cache"] = False
     out = lab.call({"op": "generate", "url": lab.decode_url, "body": body})
     report = out["report"]
-    moved = moved_range(report)
+    moved, decision = moved_range(report), report.get("decision") or {}
     return {
         "ttft_s": out["client_ttft_s"],
         "prompt_tokens": report["prompt_tokens"],
         "generated_tokens": len(out["tokens"]),
         "prefill": prefilled_where(report),
-        "decision": (report.get("decision") or {}).get("reason"),
+        "decision": decision.get("reason"),
+        "estimates": decision.get("estimates"),  # the policy's TTFT estimates, local and remote
+        "break_even_tokens": decision.get("break_even_tokens"),
         "kv_bytes": report.get("kv_bytes"),
         "moved": list(moved) if moved else None,
         "prefix": prefix_of(report),
