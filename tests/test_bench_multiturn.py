@@ -18,13 +18,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 PREFIX_KEYS = {"decode_cached_tokens", "prefill_cached_tokens", "computed_tokens"}
 
 
-@pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+@pytest.fixture(scope="module", params=["auto", "local"])
+def bench(request, tmp_path_factory):
+    """(card, JSON) of a quick run: turns >= 2 prefilled where the policy chooses, or on the
+    decode node (the suffix-only local path, nothing on the wire)."""
     tmp = tmp_path_factory.mktemp("multiturn")
     env = {**os.environ, "EXO_SPLIT_CACHE": str(tmp / "cache"), "EXO_SPLIT_PEERS": ""}
+    where = [] if request.param == "auto" else ["--suffix-prefill", request.param]
     proc = subprocess.run(
         [sys.executable, "-m", "exo_split", "bench", "--multiturn", "--quick",
-         "--logs", str(tmp / "logs")],
+         "--logs", str(tmp / "logs"), *where],
         capture_output=True, text=True, env=env, timeout=360,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,7 +38,10 @@ def bench(tmp_path_factory):
 def test_every_turn_is_measured_with_and_without_reuse(bench):
     card, doc = bench
     assert doc["schema"] == "exo-split.bench-multiturn/1" and doc["quick"] is True
-    assert doc["command"] == "exo-split bench --multiturn --quick"
+    later = doc["suffix_prefill"]
+    assert doc["command"] == "exo-split bench --multiturn --quick" + (
+        "" if later == "auto" else f" --suffix-prefill {later}"
+    )
     turns = doc["turns"]
     assert [t["turn"] for t in turns] == [1, 2, 3, 4, 5]
     for t in turns:
@@ -71,9 +77,14 @@ def test_every_turn_is_measured_with_and_without_reuse(bench):
         assert t["history_tokens"] == before["prompt_tokens"] + before["reuse"]["generated_tokens"]
         assert before["prompt_tokens"] <= t["reusable_tokens"] <= t["history_tokens"]
         assert t["new_tokens"] == t["prompt_tokens"] - t["reusable_tokens"] > 0
-        held = t["reuse"]["prefix"]["decode_cached_tokens"]
+        prefix = t["reuse"]["prefix"]
+        held = prefix["decode_cached_tokens"]
         assert t["reusable_tokens"] - 1 <= held <= t["reusable_tokens"], t
-        assert t["reuse"]["prefix"]["computed_tokens"] < t["prompt_tokens"]
+        # Computed: the prompt less what the node that prefilled held.
+        local = t["reuse"]["prefill"] == "local"
+        assert local == (later == "local") or later == "auto"
+        start = held if local else prefix["prefill_cached_tokens"]
+        assert prefix["computed_tokens"] == t["prompt_tokens"] - start < t["prompt_tokens"]
         assert t["only_new_kv"] is True
         if t["reuse"]["prefill"] == "remote":
             assert t["reuse"]["moved"] == [held, t["prompt_tokens"]]

@@ -34,11 +34,13 @@ SCHEMA = "exo-split.bench-multiturn/1"
 TARGET_RATIO = 0.25  # turns >= 2: TTFT against turn 1's, and against the same turn without reuse
 
 
-def request(lab: Lab, messages: list[dict], max_tokens: int, *, reuse: bool) -> dict[str, Any]:
+def request(
+    lab: Lab, messages: list[dict], max_tokens: int, *, reuse: bool, prefill: str = "auto"
+) -> dict[str, Any]:
     """One turn through the decode node; what it cost, read from its report."""
     # The prefill peer is not named: the decode node knows it (--peer) and its policy chooses.
     body = {"messages": messages, "max_tokens": max_tokens, "sampling": {"temperature": 0.0},
-            "prefill": "auto", "fallback": "none"}  # fmt: skip
+            "prefill": prefill, "fallback": "none"}  # fmt: skip
     if not reuse:
         body["prefix_cache"] = False
     out = lab.call({"op": "generate", "url": lab.decode_url, "body": body})
@@ -82,8 +84,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def converse(lab: Lab, conv: conversation.Conversation, max_tokens: int, progress) -> list[dict]:
-    """The conversation, each turn with and without reuse; one row per turn."""
+def converse(
+    lab: Lab, conv: conversation.Conversation, max_tokens: int, progress, *, later: str = "auto"
+) -> list[dict]:
+    """The conversation, each turn with and without reuse; one row per turn. `later`: where
+    turns >= 2 with reuse are prefilled (auto: as the policy chooses)."""
     from exo_split.chat import ChatTemplate
 
     template = ChatTemplate(lab.model)  # what the decode node renders, to count reusable tokens
@@ -95,7 +100,8 @@ def converse(lab: Lab, conv: conversation.Conversation, max_tokens: int, progres
         ids = template.token_ids(messages)
         runs = {}
         for reuse in (True, False) if k % 2 else (False, True):  # drift hits both alike
-            runs[reuse] = request(lab, messages, max_tokens, reuse=reuse)
+            where = later if reuse and k > 1 else "auto"
+            runs[reuse] = request(lab, messages, max_tokens, reuse=reuse, prefill=where)
         with_, without = runs[True], runs[False]
         if with_["prompt_tokens"] != len(ids):
             raise BenchError(f"turn {k}: the decode node's prompt has {with_['prompt_tokens']} "
@@ -174,6 +180,8 @@ def render_card(doc: dict, *, width: int = 120) -> str:
         f"history · load average {doc['load_average']['start'][0]:.1f} at the start, "
         f"{doc['load_average']['end'][0]:.1f} at the end (1 min)",
     ]
+    if doc["suffix_prefill"] != "auto":
+        header.append(f"turns ≥ 2 with reuse prefilled {doc['suffix_prefill']} (asked for)")
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     for col in ("turn", "prompt", "new", "prefill", "TTFT", "no reuse", "prefill ", "/turn 1",
                 "/no reuse", "KV MB", "no reuse ", "moved", "held dec", "held pre", "computed",
@@ -255,7 +263,7 @@ def measure(args, cpus: tuple[int, int] | None, progress) -> dict:
             body = {"messages": [{"role": "user", "content": conv.system}], "max_tokens": 4,
                     "prefill": where, "prefix_cache": False}  # fmt: skip
             lab.call({"op": "generate", "url": lab.decode_url, "body": body})
-        rows = converse(lab, conv, max_tokens, progress)
+        rows = converse(lab, conv, max_tokens, progress, later=args.suffix_prefill)
     return {
         "schema": SCHEMA,
         "quick": args.quick,
@@ -263,6 +271,7 @@ def measure(args, cpus: tuple[int, int] | None, progress) -> dict:
         "cpus": {"prefill": cpus[0], "decode": cpus[1]} if cpus else None,
         "max_tokens": max_tokens,
         "prefix_cache_bytes": args.prefix_cache_bytes,
+        "suffix_prefill": args.suffix_prefill,
         "load_average": {"start": load, "end": os.getloadavg()},
         "turns": rows,
         "targets": summarize(rows),

@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --multiturn: each node's prefix cache budget (default: the nodes' own)",
     )
+    p.add_argument(
+        "--suffix-prefill",
+        choices=("auto", "local", "remote"),
+        default="auto",
+        help="with --multiturn: where turns >= 2 with reuse are prefilled (default auto: the "
+        "decode node's policy chooses; local: the suffix on the decode node, nothing on the wire)",
+    )
     p.add_argument("--lengths", type=_ints, help="prompt lengths (default 128,...,4096)")
     p.add_argument(
         "--ratios", type=_floats, default=[0.6, 1.5], help="transfer/compute per layer per link"
@@ -468,11 +475,11 @@ def argv_of(args) -> list[str]:
     out += ["--scale-only"] if args.scale_only else []
     out += ["--itl-only"] if getattr(args, "itl_only", False) else []
     for key in ("lengths", "ratios", "repeats", "max_tokens", "cpus", "model", "max_minutes",
-                "scale_lengths", "itl_repeats", "prefix_cache_bytes"):  # fmt: skip
+                "scale_lengths", "itl_repeats", "prefix_cache_bytes", "suffix_prefill"):  # fmt: skip
         value = getattr(args, key, None)
         if (
             value is None
-            or (key == "cpus" and value == "auto")
+            or (key in ("cpus", "suffix_prefill") and value == "auto")
             or (key == "ratios" and value == [0.6, 1.5])
         ):
             continue
