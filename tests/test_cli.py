@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from reference import reference_generate
 
 from exo_split.cli import generate as generate_cmd
@@ -190,3 +191,30 @@ def test_no_command_prints_help_and_help_exits_0(capsys):
     assert "generate" in capsys.readouterr().err
     assert main(["generate", "--help"]) == 0
     assert "--prefill-backend" in capsys.readouterr().out
+
+
+def test_ctrl_c_is_an_interrupt_even_when_the_stream_breaks_first():
+    """Ctrl-C to a process group also stops the node we read from: the broken stream it
+    leaves can reach the request before the cancellation does. It is still an interrupt."""
+    import asyncio
+    import os
+    import signal
+
+    from exo_split.cli.common import interruptible
+    from exo_split.errors import PeerUnavailable
+
+    async def request_whose_node_died() -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the group's Ctrl-C ...
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            raise PeerUnavailable("node: response payload is not completed") from None
+
+    async def request_that_fails() -> None:
+        raise PeerUnavailable("node: connection refused")
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(interruptible(request_whose_node_died()))
+    with pytest.raises(PeerUnavailable):  # no Ctrl-C: the failure is the request's own
+        asyncio.run(interruptible(request_that_fails()))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

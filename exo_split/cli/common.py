@@ -219,10 +219,44 @@ def run_request(url: str, token: str | None, body: dict, *, stream: bool) -> tup
             say(f"\n[prefill peer failed, prefilling locally: {event.get('reason')}]")
 
     t0 = time.perf_counter()
-    done, ttft = asyncio.run(run_generate(url, token, body, on_event=on_event, t0=t0))
+    done, ttft = asyncio.run(
+        interruptible(run_generate(url, token, body, on_event=on_event, t0=t0))
+    )
     if stream:
         out(done.get("tail", ""))  # an incomplete character the token events held back
     return done, ttft
+
+
+async def interruptible(coro):
+    """Await `coro`; Ctrl-C cancels it and ends as KeyboardInterrupt, whatever the cancelled
+    request raised on its way out. Ctrl-C sent to a whole process group (a terminal's, or the
+    demo's with its nodes) also stops the node we are reading from, and its broken stream
+    can reach us before the cancellation does: that is still an interrupt (exit 130), not a
+    failed request."""
+    import asyncio
+    import signal
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    hit: list[bool] = []
+
+    def on_sigint() -> None:
+        hit.append(True)
+        if task is not None:
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+        return await coro
+    try:
+        return await coro
+    except BaseException:
+        if hit:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def _progress_line(event: dict) -> None:
