@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -107,6 +108,17 @@ async def generate(url: str, body: dict, token: str = TOKEN, timeout: float = 12
     ):
         assert resp.status == 200, await resp.text()
         return [json.loads(line) for line in (await resp.read()).splitlines() if line.strip()]
+
+
+def running(started: dict[str, NodeProcess]) -> Iterator[dict[str, NodeProcess]]:
+    """A fixture's body: wait until every node is ready, yield them, stop them all after."""
+    try:
+        for node in started.values():
+            node.wait_ready()
+        yield started
+    finally:
+        for node in started.values():
+            node.stop()
 
 
 def generate_sync(url: str, body: dict, **kw) -> dict:

@@ -16,7 +16,7 @@ import time
 
 import aiohttp
 import pytest
-from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request
+from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request, running
 from reference import prompt_ids, reference_generate
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -40,13 +40,7 @@ def nodes(ckpt, tmp_path_factory):
         "prefill_2": NodeProcess(ckpt, "torch", work, "--max-concurrent", "2"),
         "decode_waits": NodeProcess(ckpt, "mlx", work, "--busy-wait", "30"),
     }
-    try:
-        for node in started.values():
-            node.wait_ready()
-        yield started
-    finally:
-        for node in started.values():
-            node.stop()
+    yield from running(started)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from nodes import NodeProcess, generate
+from nodes import NodeProcess, generate, running
 from reference import reference_generate
 
 from exo_split.models.tiny import DEFAULT_CONFIG, build_llama
@@ -39,13 +39,7 @@ def nodes(ckpt, tmp_path_factory):
     work = tmp_path_factory.mktemp("memory")
     started = {"prefill": NodeProcess(ckpt, "torch", work, "--no-warmup"),
                "decode": NodeProcess(ckpt, "mlx", work, "--no-warmup")}  # fmt: skip
-    try:
-        for node in started.values():
-            node.wait_ready()
-        yield started
-    finally:
-        for node in started.values():
-            node.stop()
+    yield from running(started)
 
 
 def _status(pid: int, key: str) -> int:

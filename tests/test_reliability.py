@@ -35,7 +35,7 @@ from fakes import (
     status,
     with_crc,
 )
-from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request
+from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request, running
 from reference import prompt_ids, reference_generate
 
 from exo_split.report import load_report
@@ -70,13 +70,7 @@ def nodes(ckpt, tmp_path_factory):
     for k in KILL_AT:
         env = {"EXO_SPLIT_TEST_DIE_AFTER_LAYER": str(k)}
         started[f"die{k}"] = NodeProcess(ckpt, "torch", work, env=env)
-    try:
-        for node in started.values():
-            node.wait_ready()
-        yield started
-    finally:
-        for node in started.values():
-            node.stop()
+    yield from running(started)
 
 
 @pytest.fixture(scope="module")
