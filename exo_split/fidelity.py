@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 PROMPT_LENGTHS = (1, 40, 300)
 PAIRINGS = (("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx"))
 HALF_TOP1_BAR = 0.90
+# float32: the largest |logit difference| from transformers, teacher-forced and for token 0,
+# relative to the largest |reference logit| (at least 1). A monotone transform of the logits
+# (a missing logit scale or soft-cap) keeps greedy tokens and fails this.
+FLOAT32_LOGIT_BOUND = 1e-3
 # A quantized decode side vs the quantized model alone, by bits (at least): SmolLM2-135M's
 # mixed pair agrees 98% (8-bit) and 84% (4-bit) over natural text (docs/BENCHMARKS.md).
 QUANT_TOP1_BARS = ((8, 0.90), (4, 0.75), (0, 0.50))
@@ -78,6 +82,7 @@ class PromptResult:
     # A quantized decode side: teacher-forced over mlx-lm-alone's greedy tokens, vs its logits.
     top1_vs_decode_alone: float | None = None
     max_logit_diff_vs_decode_alone: float | None = None
+    reference_logit_max: float | None = None  # max |logit| of the reference's rows
 
 
 @dataclass(frozen=True)
@@ -327,6 +332,14 @@ def _verdict(
                 return f"tokens differ from transformers (prompt {p.prompt_tokens}, position {p.mismatch_vs_reference})"
             if p.mismatch_vs_baseline is not None:
                 return f"tokens differ from the decode backend alone (prompt {p.prompt_tokens}, position {p.mismatch_vs_baseline})"
+        for p in results:
+            bound = FLOAT32_LOGIT_BOUND * max(1.0, p.reference_logit_max or 0.0)
+            worst = max(p.first_logit_diff or 0.0, p.max_logit_diff or 0.0)
+            if worst > bound:
+                return (
+                    f"greedy tokens agree but logits differ from transformers by up to "
+                    f"{worst:.2e} > {bound:.2e} (prompt {p.prompt_tokens})"
+                )
         return None
     scored = [p for p in results if p.top1_agreement is not None]
     if not scored:  # no reference: all we can compare with is the decode backend alone
@@ -351,8 +364,13 @@ def _bar(dtype: str, has_reference: bool, quant: Quantization | None = None) -> 
             "full precision: reported, the quantization's own error)"
         )
     if dtype == "float32":
-        what = "transformers generate() and " if has_reference else ""
-        return f"float32: greedy tokens identical to {what}the decode backend alone"
+        if not has_reference:
+            return "float32: greedy tokens identical to the decode backend alone"
+        return (
+            "float32: greedy tokens identical to transformers generate() and the decode "
+            f"backend alone; logits within {FLOAT32_LOGIT_BOUND:g} x max(1, max |logit|) of "
+            "transformers' (token 0 and teacher-forced)"
+        )
     if has_reference:
         return (
             f"{dtype}: teacher-forced top-1 agreement with transformers ({dtype}) >= "
@@ -428,11 +446,12 @@ def run_check(
             prefill, decode = side_a[a], side_b[b]
             tokens = greedy(prefill, decode, ids)
             baseline = greedy(side_b[b], side_b[b], ids)
-            top1 = max_diff = first_diff = top1_q = max_q = None
+            top1 = max_diff = first_diff = top1_q = max_q = ref_max = None
             if ref_logits is not None:
                 logits = teacher_forced_logits(prefill, decode, ids, ref_tokens)
                 top1, max_diff = agreement(logits, ref_logits)
                 first_diff = float(np.abs(logits[0] - ref_logits[0]).max())
+                ref_max = float(np.abs(ref_logits).max())
             if alone is not None:
                 logits = teacher_forced_logits(prefill, decode, ids, alone[0])
                 top1_q, max_q = agreement(logits, alone[1])
@@ -451,6 +470,7 @@ def run_check(
                     first_logit_diff=first_diff,
                     top1_vs_decode_alone=top1_q,
                     max_logit_diff_vs_decode_alone=max_q,
+                    reference_logit_max=ref_max,
                 )
             )
 

@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exo_split import families
 from exo_split.errors import BadCheckpoint, ExoSplitError, IncompatiblePeer, PromptTooLong
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Families whose q/k/v projections always carry a bias (not announced in config.json).
-_ALWAYS_QKV_BIAS = {"qwen2"}
-# Families with per-head RMSNorm on q and k.
-_QK_NORM = {"qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(families.FAMILIES)
 
 _ROPE_KEYS = (
     "rope_type",
@@ -57,6 +54,10 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Per layer, "full_attention" or "sliding_attention" (empty: every layer full), and the
+    # family's own fields (families.py), sorted (key, value) pairs with lists as tuples.
+    layer_types: tuple[str, ...] = ()
+    extras: tuple[tuple[str, Any], ...] = ()
     # Informational only: not part of the fingerprint (a float16 and a bfloat16 copy of the
     # same weights are the same model; the dtype on the wire is negotiated per request).
     name: str = field(default="", compare=False)
@@ -71,7 +72,15 @@ class ModelSpec:
         """The fingerprinted fields as a plain dict (rope scaling as a dict)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
         out["rope_scaling"] = dict(self.rope_scaling)
+        if not self.layer_types:  # absent when every layer is full: fingerprints stay
+            del out["layer_types"]
+        del out["extras"]
+        for key, value in self.extras:  # the family's fields, under their config.json names
+            out[f"{self.architecture}.{key}"] = value
         return out
+
+    def extra(self, key: str, default: Any = None) -> Any:
+        return dict(self.extras).get(key, default)
 
     @property
     def fingerprint(self) -> str:
@@ -79,7 +88,8 @@ class ModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        out = self.maths()
+        out = {k: v for k, v in self.maths().items() if not k.startswith(f"{self.architecture}.")}
+        out["extras"] = dict(self.extras)
         out["name"] = self.name
         out["checkpoint_dtype"] = self.checkpoint_dtype
         out["fingerprint"] = self.fingerprint
@@ -90,60 +100,144 @@ class ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         kwargs["rope_scaling"] = tuple(sorted((d.get("rope_scaling") or {}).items()))
+        kwargs["layer_types"] = tuple(d.get("layer_types") or ())
+        kwargs["extras"] = _frozen_items(d.get("extras") or {})
         return cls(**kwargs)
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...]]:
-    params = config.get("rope_parameters") or {}
-    legacy = config.get("rope_scaling") or {}
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    merged = {**legacy, **params}
+def _frozen(v: Any) -> Any:
+    """JSON lists as tuples, so that a spec read back from the wire equals the original."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, list | tuple) else v
+
+
+def _frozen_items(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, _frozen(v)) for k, v in d.items()))
+
+
+def _rope_scaling(merged: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     if "type" in merged and "rope_type" not in merged:
-        merged["rope_type"] = merged.pop("type")
+        merged = {**merged, "rope_type": merged["type"]}
     scaling = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "default":
-        scaling = {}
-    elif rope_type not in ("llama3", "linear"):
+        return ()
+    if rope_type not in ("llama3", "linear"):
         raise BadCheckpoint(
             f"unsupported rope type {rope_type!r}: exo-split supports default, linear and llama3"
         )
-    return float(theta), tuple(sorted(scaling.items()))
+    return tuple(sorted(scaling.items()))
+
+
+def _rope(
+    config: dict[str, Any], fam: families.Family
+) -> tuple[float, tuple[tuple[str, Any], ...], dict[str, Any]]:
+    """(theta, scaling, rope fields of the family) from either layout. transformers 5 may key
+    rope_parameters by layer type: the full layers' entry is the model's rope; the sliding
+    layers' own theta is `rope_local_base_freq` where the family has one, else it must match."""
+    params = config.get("rope_parameters") or {}
+    legacy = config.get("rope_scaling") or {}
+    local = None
+    if families.FULL in params or families.SLIDING in params:
+        local = params.get(families.SLIDING)
+        params = params.get(families.FULL) or local or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    merged = {**legacy, **params}
+    scaling = _rope_scaling(merged)
+    extra = {k: merged.get(k, config.get(k)) for k in families.ROPE_FIELDS if k in fam.fields}
+    if local is not None:
+        local_theta = float(local.get("rope_theta", theta))
+        if "rope_local_base_freq" in fam.fields:
+            extra["rope_local_base_freq"] = local_theta
+        elif local_theta != theta:
+            raise BadCheckpoint(
+                f"the sliding layers' rope theta ({local_theta}) differs from the full "
+                f"layers' ({theta}): exo-split's {config.get('model_type')} runs one theta"
+            )
+        if _rope_scaling(dict(local)):
+            raise BadCheckpoint("rope scaling on the sliding layers is not supported")
+    return theta, scaling, {k: v for k, v in extra.items() if v is not None}
+
+
+def _layer_types(arch: str, fam: families.Family, config: dict[str, Any], n: int):
+    """Per layer type and the window W that sliding layers attend over (None: no window)."""
+    window = config.get("sliding_window")
+    uses = {
+        None: False,
+        "always": True,
+        "flag": bool(config.get("use_sliding_window")),
+        "layer_types": True,
+    }[fam.window]
+    if not (uses and window):
+        return (), None
+    if fam.window != "layer_types":
+        return (), int(window)  # every layer slides: the spec's window says so
+    types = tuple(config.get("layer_types") or families.default_layer_types(arch, n, config))
+    if len(types) != n or set(types) - {families.FULL, families.SLIDING}:
+        raise BadCheckpoint(
+            f"layer_types must name {n} layers, each {families.FULL!r} or "
+            f"{families.SLIDING!r}; got {list(types)}"
+        )
+    if fam.mlx_pattern and families.window_pattern(types) is None:
+        raise BadCheckpoint(
+            f"{arch}: mlx-lm takes a repeating window pattern (P-1 sliding layers, then one "
+            f"full); these layer_types follow none: {list(types)}"
+        )
+    return types, int(window)
+
+
+def _family_fields(fam: families.Family, config: dict[str, Any], n_layers: int) -> dict:
+    out = {}
+    for key, default in fam.fields.items():
+        value = config.get(key, config.get(fam.aliases.get(key, ""), default))
+        if key == "no_rope_layers" and value is None:  # transformers' own default pattern
+            interval = int(config.get("no_rope_layer_interval", 4))
+            value = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if key == "layer_types":
+            continue  # ModelSpec.layer_types
+        out[key] = value
+    return out
 
 
 def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
     """Canonical ModelSpec from a config.json dict; raises BadCheckpoint on what we cannot run."""
     arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    fam = families.family(arch)
+    if fam is None:
         raise BadCheckpoint(
             f"unsupported architecture {arch!r}: exo-split supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    reason = fam.refuse(config) if fam.refuse else None
+    if reason:
+        raise BadCheckpoint(f"{arch}: {reason}")
     try:
         n_heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
+        n_layers = int(config["num_hidden_layers"])
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
-        theta, scaling = _rope(config)
-        window = None
-        if arch == "mistral" or (arch in ("qwen2", "qwen3") and config.get("use_sliding_window")):
-            window = config.get("sliding_window")
+        theta, scaling, rope_fields = _rope(config, fam)
+        layer_types, window = _layer_types(arch, fam, config, n_layers)
+        extras = _family_fields(fam, config, n_layers) | rope_fields
+        eps = config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-6))
         return ModelSpec(
             architecture=arch,
-            n_layers=int(config["num_hidden_layers"]),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv,
             head_dim=head_dim,
             hidden_size=hidden,
             intermediate_size=int(config["intermediate_size"]),
             vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(eps),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch in _ALWAYS_QKV_BIAS or bool(config.get("attention_bias", False)),
-            qk_norm=arch in _QK_NORM,
-            sliding_window=int(window) if window else None,
+            qkv_bias=fam.qkv_bias or bool(config.get("attention_bias", False)),
+            qk_norm=fam.qk_norm,
+            sliding_window=window,
+            layer_types=layer_types,
+            extras=_frozen_items(extras),
             name=name,
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
         )
@@ -180,7 +274,8 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
 def differences(a: ModelSpec, b: ModelSpec) -> list[str]:
     """Human-readable 'field: a != b' for every fingerprinted field that differs."""
     ma, mb = a.maths(), b.maths()
-    return [f"{k}: {ma[k]!r} != {mb[k]!r}" for k in ma if ma[k] != mb[k]]
+    keys = list(ma) + [k for k in mb if k not in ma]
+    return [f"{k}: {ma.get(k)!r} != {mb.get(k)!r}" for k in keys if ma.get(k) != mb.get(k)]
 
 
 def require_compatible(local: ModelSpec, remote: ModelSpec, *, what: str = "peer") -> None:

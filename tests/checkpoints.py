@@ -12,10 +12,22 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Cohere2Config,
+    CohereConfig,
+    Gemma3TextConfig,
+    Glm4Config,
+    Glm4MoeConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Olmo3Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from exo_split.models.tiny import save_tokenizer
@@ -72,6 +84,65 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 300000.0},
     ),
 }
+
+# The families of families.py beyond the first four: 4 layers, non-default values for every
+# field that changes the maths, sliding windows of WINDOW (prompts stay inside it).
+WINDOW = 64
+S, F = "sliding_attention", "full_attention"
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_SMALL = dict(num_hidden_layers=4, num_key_value_heads=2)
+MORE_FAMILIES = {
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
+        **{**_COMMON, **_SMALL, **kw}, **_MOE, num_experts=4, head_dim=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1],
+        rope_parameters={"rope_type": "default", "rope_theta": 200000.0},
+    ),
+    "mixtral": lambda **kw: MixtralConfig(
+        **{**_COMMON, **_SMALL, **kw}, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
+    ),
+    "phi3": lambda **kw: Phi3Config(
+        **{**_COMMON, **_SMALL, **kw},
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+    ),
+    "olmo2": lambda **kw: Olmo2Config(**{**_COMMON, **_SMALL, **kw}),
+    "olmo3": lambda **kw: Olmo3Config(
+        **{**_COMMON, **_SMALL, **kw}, sliding_window=WINDOW, layer_types=[S, F, S, F],
+    ),
+    "glm4": lambda **kw: Glm4Config(
+        **{**_COMMON, **_SMALL, **kw}, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 40000.0, "partial_rotary_factor": 0.5},
+    ),
+    "glm4_moe": lambda **kw: Glm4MoeConfig(
+        **{**_COMMON, **_SMALL, **kw}, **_MOE, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+        use_qk_norm=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    "smollm3": lambda **kw: SmolLM3Config(
+        **{**_COMMON, **_SMALL, **kw}, no_rope_layers=[1, 0, 1, 0],
+    ),
+    "granite": lambda **kw: GraniteConfig(
+        **{**_COMMON, **_SMALL, **kw}, logits_scaling=4.0, embedding_multiplier=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.2,
+    ),
+    "cohere": lambda **kw: CohereConfig(
+        **{**_COMMON, **_SMALL, **kw}, logit_scale=0.3, use_qk_norm=False,
+    ),
+    "cohere2": lambda **kw: Cohere2Config(
+        **{**_COMMON, **_SMALL, **kw}, head_dim=16, logit_scale=0.3, sliding_window=WINDOW,
+        layer_types=[S, F, S, F],
+    ),
+    "gemma3_text": lambda **kw: Gemma3TextConfig(
+        **{**_COMMON, **_SMALL, **kw}, head_dim=16, sliding_window=WINDOW, layer_types=[S, F, S, F],
+        query_pre_attn_scalar=24, final_logit_softcapping=None,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 300000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+        },
+    ),
+}  # fmt: skip
+FAMILIES.update(MORE_FAMILIES)
 
 
 def build(out_dir: Path, family: str, *, seed: int = 0, std: float = 0.2, **overrides) -> Path:

@@ -48,7 +48,11 @@ def test_mlx_hands_each_layer_on_in_order(llama):
         on_layer=lambda kv: pieces.append((kv.layer, kv.token_start, kv.n_tokens)),
     )
     n = backend.spec.n_layers
-    assert pieces == [(i, s, min(64, 150 - s)) for s in (0, 64, 128) for i in range(n)]
+    # Chunks of 64 over the first 149 positions, then the last one alone (mlx-lm's own model
+    # computes the logits of that position only, head included): the plan says so.
+    chunks = [(0, 64), (64, 64), (128, 21), (149, 1)]
+    assert backend.prefill_chunks(150, 64) == tuple(c for _, c in chunks)
+    assert pieces == [(i, s, c) for s, c in chunks for i in range(n)]
 
 
 @pytest.mark.parametrize("name", ["torch", "mlx"])
@@ -243,7 +247,7 @@ def test_mlx_prefills_in_chunks_by_default_with_the_same_kv_and_logits(llama, mo
     done = backend.prefill(ids, on_layer=pieces.append)
     n = backend.spec.n_layers
     assert [(p.layer, p.token_start) for p in pieces] == [
-        (i, s) for s in (0, 64, 128) for i in range(n)
+        (i, s) for s in (0, 64, 128, 149) for i in range(n)
     ]
     np.testing.assert_allclose(done.logits, full, rtol=1e-4, atol=1e-4)
     assert done.computed_at >= max(p.computed_at for p in pieces)
@@ -296,10 +300,12 @@ def test_mlx_stream_kv_hands_on_views_of_the_cache_with_the_prefill_stamps(llama
     assert [(p.layer, p.token_start, p.n_tokens) for p in pieces] == [
         (i, s, min(60, 130 - s)) for s in (0, 60, 120) for i in range(n)
     ]
-    # A piece's stamp is when the prefill computed its last position (chunks of 50 there).
+    # A piece's stamp is when the prefill computed its last position (chunks of 50 there,
+    # the last position alone).
     computed = {(i, e): t for i, c in enumerate(done.cache) for e, t in c.computed}
+    ends = (50, 100, 129, 130)
     for p in pieces:
-        end = min(130, 50 * -(-(p.token_start + p.n_tokens) // 50))
+        end = next(e for e in ends if e >= p.token_start + p.n_tokens)
         assert p.computed_at == computed[(p.layer, end)]
         assert np.shares_memory(p.k, np.array(done.cache[p.layer].keys, copy=False))
     for kv in backend.export(done.cache):

@@ -4,6 +4,7 @@ weights do (caught by token and logit disagreement, which is the point of the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -143,3 +144,30 @@ def test_check_in_half_precision_uses_the_top1_bar(llama, capsys):
     # Every pairing ran: a backend that failed to load in float16 is "skipped", not a pass.
     assert [p["name"] for p in doc["pairings"]] == PAIRINGS and doc["skipped"] == []
     assert all(p["top1_agreement"] >= 0.9 for p in doc["pairings"])
+
+
+def test_float32_bounds_the_logits_not_only_the_tokens(llama, tmp_path, capsys):
+    """A decode side whose output head is scaled by 1.01 (what a missing logit scale does):
+    every argmax, so every greedy token, is unchanged; only the logit bound sees it."""
+    copy = shutil.copytree(llama, tmp_path / "scaled-head")
+    weights = copy / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * np.float32(1.01)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    assert main(["check", "--model", str(llama), "--decode-model", str(copy), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for p in doc["pairings"]:
+        assert p["agrees_with_reference"] and p["agrees_with_baseline"], p["name"]
+        assert not p["passed"]
+        assert p["reason"].startswith("greedy tokens agree but logits differ"), p["reason"]
+
+
+def test_the_logit_bound_is_relative_to_the_logits_scale():
+    ok = _result([1, 2], [1, 2], top1=1.0)
+    scaled = dataclasses.replace(
+        ok, max_logit_diff=0.004, first_logit_diff=0.0, reference_logit_max=5.0
+    )
+    assert fidelity._verdict([scaled], "float32") is None  # 0.004 <= 1e-3 x 5
+    big = dataclasses.replace(scaled, max_logit_diff=0.006)
+    assert "up to 6.00e-03 > 5.00e-03" in fidelity._verdict([big], "float32")

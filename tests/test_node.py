@@ -61,14 +61,15 @@ def test_split_over_the_network_matches_transformers(pairs, checkpoint, family, 
 
 
 def test_an_mlx_prefill_node_streams_its_own_chunks(pairs, checkpoint, tmp_path):
-    """MLX prefills in chunks of 2,048 even when none is asked for: the plan its HELLO
-    announces says so, the frames follow it, and the tokens are transformers'."""
+    """MLX prefills in chunks of 2,048 even when none is asked for, and the last position
+    alone (its logits are the only ones computed): the plan its HELLO announces says so, the
+    frames follow it, and the tokens are transformers'."""
     _, m = pairs["llama"]
     ckpt = checkpoint("llama", num_hidden_layers=6)
     mlx_prefill = NodeProcess(ckpt, "mlx", tmp_path).wait_ready()
     try:
         ids = prompt_ids(2100, seed=21)
-        for chunk, n_chunks in ((None, 2), (700, 3)):
+        for chunk, n_chunks in ((None, 3), (700, 4)):
             body = {"token_ids": ids, "max_tokens": 6, "prefill_peer": mlx_prefill.addr,
                     "chunk": chunk, "fallback": "none"}  # fmt: skip
             done = generate_sync(m.url, body)

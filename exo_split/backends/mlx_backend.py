@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model
 
+from exo_split import families
 from exo_split.backends import mlx_decode
 from exo_split.backends.base import Cancelled, DecodeStats, OnLayer, Prefilled
 from exo_split.errors import BadCheckpoint
@@ -67,8 +68,10 @@ def from_numpy(a: np.ndarray, dtype: str) -> mx.array:
 
 
 def _mlx_config(spec: ModelSpec) -> dict:
-    """The keys mlx-lm's model classes read, from the canonical spec (overrides config.json)."""
-    return {
+    """The keys mlx-lm's model classes read, from the canonical spec (overrides config.json):
+    the common ones, then the family's own fields under mlx-lm's names (families.py)."""
+    fam = families.family(spec.architecture)
+    out = {
         "rope_theta": spec.rope_theta,
         "rope_scaling": dict(spec.rope_scaling) or None,
         "rope_parameters": None,
@@ -77,7 +80,17 @@ def _mlx_config(spec: ModelSpec) -> dict:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "attention_bias": spec.qkv_bias,
         "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
     }
+    for key, value in spec.extras:
+        out[fam.mlx_names.get(key, key)] = list(value) if isinstance(value, tuple) else value
+    if spec.sliding_window:
+        out["sliding_window"] = spec.sliding_window
+    if spec.layer_types:
+        out["layer_types"] = list(spec.layer_types)
+        if fam.mlx_pattern:
+            out["sliding_window_pattern"] = families.window_pattern(spec.layer_types)
+    return out
 
 
 class _StreamingKVCache(KVCache):
@@ -106,6 +119,13 @@ def _streaming(c: KVCache, layer: int, hook) -> _StreamingKVCache:
         return s
     c.hook = hook
     return c
+
+
+def _starts(first: int, sizes: Sequence[int]) -> list[int]:
+    out = [first]
+    for size in sizes[:-1]:
+        out.append(out[-1] + size)
+    return out
 
 
 def _round_up(n: int, step: int) -> int:
@@ -149,7 +169,6 @@ class MLXBackend:
         ids[k:] are computed, in chunks from k. `emit_from`: `on_layer` sees positions
         [emit_from, n) only; the cached [emit_from, k) of every layer go first (copies)."""
         n = len(token_ids)
-        step = chunk or PREFILL_CHUNK
         position = [0]
 
         def hook(layer: int, k: mx.array, v: mx.array) -> None:
@@ -183,14 +202,17 @@ class MLXBackend:
                 on_layer(LayerKV(i, emit_from, k, v, self.dtype, clock()))
         ids = mx.array([[int(t) for t in token_ids]])
         try:
-            for start in range(cached, n, step):
+            sizes = self.prefill_chunks(n - cached, chunk)
+            for start, size in zip(_starts(cached, sizes), sizes, strict=True):
                 position[0] = start
-                hidden = self._hidden(ids[:, start : start + step], cache)
-                mx.eval([(c.keys, c.values) for c in cache])
-                if start + step < n:
+                # mlx-lm's own model, head included (logit scales, soft-caps): lazy, so only
+                # the last position's logits are ever computed, by the last (1-position) chunk.
+                out = self.model(ids[:, start : start + size], cache=cache)
+                if start + size < n:
+                    mx.eval([(c.keys, c.values) for c in cache])
                     mx.clear_cache()  # this chunk's activations, before the next one's
-            logits = self._head(hidden[:, -1:, :])[0, -1]  # [vocab]: the last position only
-            mx.eval(logits)
+            logits = out[0, -1]  # [vocab]
+            mx.eval(logits, [(c.keys, c.values) for c in cache])
         finally:
             for c in cache:
                 c.hook = None
@@ -199,17 +221,11 @@ class MLXBackend:
                          computed_at=computed_at)  # fmt: skip
 
     def prefill_chunks(self, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
-        """The chunks `prefill` emits pieces for (the KV stream's plan announces them)."""
-        return chunk_sizes(n_tokens, chunk or PREFILL_CHUNK)
-
-    def _hidden(self, ids: mx.array, cache: list) -> mx.array:
-        """The final hidden states (after the last norm) of mlx-lm's Llama/Qwen2/Qwen3 models:
-        `Model.model`; the output head is applied by `_head`, to the last position only."""
-        return self.model.model(ids, cache=cache)
-
-    def _head(self, hidden: mx.array) -> mx.array:
-        head = getattr(self.model, "lm_head", None)  # absent when the embeddings are tied
-        return head(hidden) if head is not None else self.model.model.embed_tokens.as_linear(hidden)
+        """The chunks `prefill` emits pieces for (the KV stream's plan announces them): the
+        last position alone, as mlx-lm prefills, so its logits are the only ones computed."""
+        if n_tokens <= 1:
+            return (n_tokens,)
+        return (*chunk_sizes(n_tokens - 1, chunk or PREFILL_CHUNK), 1)
 
     def stream_kv(
         self,

@@ -1,0 +1,140 @@
+"""The model families exo-split runs: for each, the config fields that change its maths and
+how they reach mlx-lm. Data, not branches in the backends (no torch or mlx imports).
+
+A family's `fields` are read from config.json as they are (absent: transformers' own default
+for that family, so a checkpoint that relies on a default means the same on both sides), go
+into the fingerprint, and are handed to mlx-lm's ModelArgs under mlx-lm's name for them
+(`mlx_names`). The transformers side needs no translation: it reads the same config.json.
+
+What mlx-lm's module cannot express is refused with the reason (`refuse`), never run: a
+final soft-cap that mlx-lm's gemma3_text never applies, a layer pattern it cannot describe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    fields: Mapping[str, Any] = field(default_factory=dict)  # config key -> transformers' default
+    mlx_names: Mapping[str, str] = field(default_factory=dict)  # our key -> mlx-lm's, if other
+    aliases: Mapping[str, str] = field(default_factory=dict)  # our key -> an older config key
+    qkv_bias: bool = False  # q/k/v always carry a bias, whatever attention_bias says
+    qk_norm: bool = False  # per-head RMSNorm on q and k
+    # Where the sliding window applies: "always" (every layer when sliding_window is set),
+    # "flag" (when use_sliding_window is true), "layer_types" (the layers typed sliding),
+    # None: the family never slides.
+    window: str | None = None
+    # The window pattern mlx-lm's module takes instead of layer_types (sliding_window_pattern).
+    mlx_pattern: bool = False
+    refuse: Callable[[dict[str, Any]], str | None] | None = None
+
+
+_QWEN_MOE = {
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+}
+_GLM_MOE = {
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "use_qk_norm": False,
+}
+
+
+def _gemma3_refuse(config: dict[str, Any]) -> str | None:
+    if config.get("final_logit_softcapping") is not None:
+        return "mlx-lm's gemma3_text does not apply final_logit_softcapping"
+    if config.get("attn_logit_softcapping") is not None:
+        return "mlx-lm's gemma3_text does not apply attn_logit_softcapping"
+    if config.get("use_bidirectional_attention"):
+        return "bidirectional attention (an encoder configuration) is not a causal LM"
+    return None
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(fields={"mlp_bias": False}),
+    "mistral": Family(window="always"),
+    "qwen2": Family(qkv_bias=True, window="flag"),
+    "qwen3": Family(qk_norm=True, window="flag"),
+    "qwen3_moe": Family(
+        fields=_QWEN_MOE,
+        mlx_names={"num_local_experts": "num_experts"},
+        aliases={"num_local_experts": "num_experts"},
+        qk_norm=True,
+        window="flag",
+    ),
+    "mixtral": Family(fields={"num_local_experts": 8, "num_experts_per_tok": 2}, window="always"),
+    "phi3": Family(
+        fields={"partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096},
+        window="always",
+    ),
+    "olmo2": Family(),
+    "olmo3": Family(fields={"layer_types": None}, window="layer_types"),
+    "glm4": Family(fields={"partial_rotary_factor": 0.5}),
+    "glm4_moe": Family(fields={"partial_rotary_factor": 0.5, **_GLM_MOE}),
+    "smollm3": Family(fields={"no_rope_layers": None, "no_rope_layer_interval": 4}, window="flag"),
+    "granite": Family(
+        fields={
+            "embedding_multiplier": 1.0,
+            "residual_multiplier": 1.0,
+            "attention_multiplier": 1.0,
+            "logits_scaling": 1.0,
+            "mlp_bias": False,
+        }
+    ),
+    "cohere": Family(fields={"logit_scale": 0.0625, "use_qk_norm": False, "layer_norm_eps": 1e-5}),
+    "cohere2": Family(
+        fields={"logit_scale": 0.0625, "layer_norm_eps": 1e-5},
+        window="layer_types",
+        mlx_pattern=True,
+    ),
+    "gemma3_text": Family(
+        fields={"query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0},
+        window="layer_types",
+        mlx_pattern=True,
+        refuse=_gemma3_refuse,
+    ),
+}
+# Config keys that are read from rope_parameters in transformers 5 (the old layout: top level).
+ROPE_FIELDS = ("partial_rotary_factor",)
+
+
+def family(model_type: str | None) -> Family | None:
+    return FAMILIES.get(model_type or "")
+
+
+def window_pattern(layer_types: tuple[str, ...]) -> int | None:
+    """The period P of a 'P-1 sliding layers, then one full' pattern (mlx-lm's
+    sliding_window_pattern), or None when the layers do not follow one."""
+    if FULL not in layer_types:
+        return None
+    p = layer_types.index(FULL) + 1
+    expected = tuple(FULL if (i + 1) % p == 0 else SLIDING for i in range(len(layer_types)))
+    return p if expected == layer_types else None
+
+
+def default_layer_types(model_type: str, n_layers: int, config: dict[str, Any]) -> tuple[str, ...]:
+    """transformers' own layer_types when config.json has none (its config classes fill them
+    from a pattern, and older files carry only the pattern)."""
+    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    if pattern is None:
+        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4}.get(model_type)
+    if not pattern:
+        return (FULL,) * n_layers
+    return tuple(FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n_layers))

@@ -1,0 +1,156 @@
+"""The model families beyond Llama/Mistral/Qwen2/Qwen3 (families.py): each one's fields read
+as transformers reads them, handed to mlx-lm field by field, and a float32 `exo-split check`
+against transformers on a tiny random checkpoint built with transformers' own config class
+(tokens identical, logits bounded); refusals for what mlx-lm's modules cannot run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import transformers
+from checkpoints import MORE_FAMILIES, WINDOW
+
+from exo_split import families
+from exo_split.errors import BadCheckpoint
+from exo_split.fidelity import FLOAT32_LOGIT_BOUND, run_check
+from exo_split.spec import differences, load_spec, spec_from_config
+
+NEW = sorted(MORE_FAMILIES)
+_CONFIG_CLASSES = {
+    "llama": transformers.LlamaConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "mixtral": transformers.MixtralConfig,
+    "phi3": transformers.Phi3Config,
+    "glm4": transformers.Glm4Config,
+    "glm4_moe": transformers.Glm4MoeConfig,
+    "smollm3": transformers.SmolLM3Config,
+    "granite": transformers.GraniteConfig,
+    "cohere": transformers.CohereConfig,
+    "cohere2": transformers.Cohere2Config,
+    "gemma3_text": transformers.Gemma3TextConfig,
+}
+
+
+def test_every_family_has_a_test_checkpoint():
+    assert set(families.FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", *NEW}
+
+
+@pytest.mark.parametrize("arch", sorted(_CONFIG_CLASSES))
+def test_our_defaults_are_transformers_defaults(arch):
+    """A config.json that omits a field means transformers' default: ours must be the same,
+    or the two sides would run different maths from one file."""
+    hf = json.loads(_CONFIG_CLASSES[arch]().to_json_string())
+    rope = hf.get("rope_parameters") or {}
+    for key, ours in families.FAMILIES[arch].fields.items():
+        if key in ("layer_types", "no_rope_layers"):
+            continue  # derived from the layer count (tested below)
+        if key == "rope_local_base_freq":
+            theirs = rope["sliding_attention"]["rope_theta"]
+        elif key in families.ROPE_FIELDS:
+            theirs = rope.get(key, hf.get(key))
+        else:
+            theirs = hf[key]
+        theirs = tuple(theirs) if isinstance(theirs, list) else theirs
+        assert ours == theirs, f"{arch}.{key}: ours {ours!r}, transformers {theirs!r}"
+
+
+@pytest.mark.parametrize("arch", NEW)
+def test_the_family_fields_reach_mlx_lm(arch, checkpoint):
+    """Field by field: every fingerprinted field arrives in mlx-lm's ModelArgs with the
+    checkpoint's (non-default) value, under mlx-lm's name."""
+    from exo_split.backends import load_backend
+
+    ckpt = checkpoint(arch)
+    spec = load_spec(ckpt)
+    args = load_backend("mlx", ckpt).model.args
+    fam = families.FAMILIES[arch]
+    assert {k for k, _ in spec.extras} == set(fam.fields) - {"layer_types"}, arch
+    for key, value in spec.extras:
+        got = getattr(args, fam.mlx_names.get(key, key))
+        got = tuple(got) if isinstance(got, list) else got
+        assert got == value, f"{arch}.{key}: mlx-lm has {got!r}, the spec {value!r}"
+    assert args.rope_theta == spec.rope_theta
+    if spec.layer_types:
+        if fam.mlx_pattern:
+            assert args.sliding_window_pattern == families.window_pattern(spec.layer_types)
+        else:
+            assert tuple(args.layer_types) == spec.layer_types
+        assert args.sliding_window == WINDOW
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW)
+def test_check_passes_in_float32_with_bounded_logits(arch, checkpoint):
+    ckpt = checkpoint(arch)
+    report = run_check(ckpt, max_tokens=8)
+    assert report.passed, [p.reason for p in report.failing]
+    spec = load_spec(ckpt)
+    expected = (1, 40, 300) if not spec.sliding_window else (1, 40, WINDOW - 8)
+    assert report.prompt_lengths == expected
+    assert [p.name for p in report.pairings][0] == "torch->mlx"
+    for p in report.pairings:
+        assert p.agrees_with_reference, (arch, p.name)
+        for r in p.prompts:
+            bound = FLOAT32_LOGIT_BOUND * max(1.0, r.reference_logit_max)
+            assert r.first_logit_diff <= bound and r.max_logit_diff <= bound, (arch, p.name, r)
+
+
+def test_a_family_field_is_in_the_fingerprint_and_named_when_it_differs():
+    base = json.loads(MORE_FAMILIES["cohere"]().to_json_string())
+    a = spec_from_config(base)
+    b = spec_from_config({**base, "logit_scale": 0.25})
+    assert a.fingerprint != b.fingerprint
+    assert differences(a, b) == ["cohere.logit_scale: 0.3 != 0.25"]
+    # The wire's copy (JSON, lists) reads back as the same spec.
+    again = type(a).from_dict(json.loads(json.dumps(a.to_dict())))
+    assert again == a and again.fingerprint == a.fingerprint
+
+
+def test_layer_types_and_the_local_rope_are_read_from_transformers_5_configs():
+    spec = spec_from_config(json.loads(MORE_FAMILIES["gemma3_text"]().to_json_string()))
+    assert spec.layer_types == ("sliding_attention", "full_attention") * 2
+    assert spec.sliding_window == WINDOW
+    assert spec.rope_theta == 300000.0 and spec.extra("rope_local_base_freq") == 5000.0
+    assert spec.extra("query_pre_attn_scalar") == 24
+    # An older file: no layer_types, only the pattern (gemma3's default of 6).
+    old = json.loads(transformers.Gemma3TextConfig(num_hidden_layers=12).to_json_string())
+    del old["layer_types"]
+    types = spec_from_config(old).layer_types
+    assert types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "message"),
+    [
+        ("gemma3_text", {"final_logit_softcapping": 30.0}, "does not apply final_logit_softcapping"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, "does not apply attn_logit_softcapping"),
+        ("cohere2", {"layer_types": ["sliding_attention", "full_attention", "full_attention",
+                                     "sliding_attention"]}, "repeating window pattern"),
+        ("olmo3", {"rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+         "sliding layers' rope theta"),
+        ("olmo3", {"layer_types": ["sliding_attention"] * 3}, "must name 4 layers"),
+        ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
+                                      "short_factor": [1.0], "long_factor": [1.0]}},
+         "unsupported rope type 'longrope'"),
+        ("qwen3_moe", {"model_type": "qwen3_next"}, "unsupported architecture 'qwen3_next'"),
+    ],
+)  # fmt: skip
+def test_what_mlx_lm_cannot_run_is_refused_with_the_reason(arch, change, message):
+    config = json.loads(MORE_FAMILIES[arch]().to_json_string()) | change
+    with pytest.raises(BadCheckpoint, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec_from_config(config)
+
+
+def test_a_refused_checkpoint_is_refused_before_any_backend_loads(checkpoint, tmp_path):
+    from exo_split.backends import load_backend
+
+    copy = shutil.copytree(checkpoint("gemma3_text"), tmp_path / "softcapped")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"final_logit_softcapping": 30.0}))
+    for name in ("torch", "mlx"):
+        with pytest.raises(BadCheckpoint, match="final_logit_softcapping"):
+            load_backend(name, copy)
