@@ -190,9 +190,12 @@ def prompt_lengths(spec: ModelSpec, max_tokens: int) -> tuple[int, ...]:
     """PROMPT_LENGTHS, capped to what the context (and a sliding window) can hold."""
     check_request(spec, 1, max_tokens)
     room = spec.max_position_embeddings - max_tokens
-    if spec.sliding_window:
-        room = min(room, spec.sliding_window - max_tokens)
-    return tuple(sorted({min(n, room) for n in PROMPT_LENGTHS}))
+    if spec.window_limit:
+        room = min(room, spec.window_limit - max_tokens)
+    lengths = PROMPT_LENGTHS
+    if spec.layer_types and spec.sliding_window:  # below, at and well past the window
+        lengths = (*lengths, 3 * spec.sliding_window)
+    return tuple(sorted({min(n, room) for n in lengths}))
 
 
 def prompt_ids(n: int, vocab_size: int) -> list[int]:

@@ -79,6 +79,14 @@ class ModelSpec:
             out[f"{self.architecture}.{key}"] = value
         return out
 
+    @property
+    def window_limit(self) -> int | None:
+        """The most positions a request may reach, set by a sliding window that mlx-lm's
+        module of this family never applies (it attends over every position: exact only
+        inside the window). Families with typed layers (layer_types) mask the window per
+        layer on both sides, so a prompt may run past it."""
+        return None if self.layer_types else self.sliding_window
+
     def extra(self, key: str, default: Any = None) -> Any:
         return dict(self.extras).get(key, default)
 
@@ -302,9 +310,9 @@ def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
             f"model's context of {spec.max_position_embeddings}",
             hint="shorten the prompt or lower --max-tokens",
         )
-    if spec.sliding_window and total > spec.sliding_window:
+    if spec.window_limit and total > spec.window_limit:
         raise PromptTooLong(
-            f"prompt + max tokens = {total} exceeds the sliding window of {spec.sliding_window}; "
+            f"prompt + max tokens = {total} exceeds the sliding window of {spec.window_limit}; "
             "exo-split does not support sliding-window attention beyond the window yet"
         )
 

@@ -87,8 +87,11 @@ def test_check_passes_in_float32_with_bounded_logits(arch, checkpoint):
     report = run_check(ckpt, max_tokens=8)
     assert report.passed, [p.reason for p in report.failing]
     spec = load_spec(ckpt)
-    expected = (1, 40, 300) if not spec.sliding_window else (1, 40, WINDOW - 8)
-    assert report.prompt_lengths == expected
+    if spec.layer_types:  # a window per typed layer: below it, and past it on both sides
+        expected = (1, 40, 3 * WINDOW, 300)
+    else:
+        expected = (1, 40, WINDOW - 8) if spec.window_limit else (1, 40, 300)
+    assert report.prompt_lengths == tuple(sorted(expected))
     assert [p.name for p in report.pairings][0] == "torch->mlx"
     for p in report.pairings:
         assert p.agrees_with_reference, (arch, p.name)
@@ -154,3 +157,53 @@ def test_a_refused_checkpoint_is_refused_before_any_backend_loads(checkpoint, tm
     for name in ("torch", "mlx"):
         with pytest.raises(BadCheckpoint, match="final_logit_softcapping"):
             load_backend(name, copy)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "cohere2", "olmo3"])
+def test_past_the_window_the_window_matters(arch, checkpoint, tmp_path):
+    """The check above is sensitive to the window: at 3x the window, the same weights
+    without it (every layer full) give logits far outside the bound, so a side that ignored
+    the window would fail it."""
+    import numpy as np
+
+    from exo_split.models.reference import Reference
+
+    ckpt = checkpoint(arch)
+    wide = shutil.copytree(ckpt, tmp_path / "no-window")
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(config | {"sliding_window": 4096}))
+    ids = list(np.random.default_rng(3).integers(0, 512, 3 * WINDOW))
+    forced = [5, 6]
+    windowed = Reference(ckpt, frozenset()).teacher_forced_logits(ids, forced)
+    full = Reference(wide, frozenset()).teacher_forced_logits(ids, forced)
+    bound = FLOAT32_LOGIT_BOUND * max(1.0, float(np.abs(windowed).max()))
+    assert float(np.abs(windowed - full).max()) > 100 * bound
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+def test_two_nodes_of_a_new_family_match_transformers(arch, checkpoint, tmp_path):
+    """A mixture of experts and a model with sliding layers (prompts below the window and
+    3x past it, chunks that cross it) through a torch prefill node and an MLX decode node."""
+    from nodes import NodeProcess, generate_sync
+    from reference import prompt_ids, reference_generate
+
+    ckpt = checkpoint(arch)
+    t, m = NodeProcess(ckpt, "torch", tmp_path), NodeProcess(ckpt, "mlx", tmp_path)
+    try:
+        t.wait_ready()
+        m.wait_ready()
+        for n, chunk in ((1, None), (40, None), (3 * WINDOW, None), (3 * WINDOW, 48)):
+            ids = prompt_ids(n, seed=n)
+            body = {"token_ids": ids, "max_tokens": 10, "prefill_peer": t.addr, "chunk": chunk,
+                    "fallback": "none"}  # fmt: skip
+            done = generate_sync(m.url, body)
+            report = done["report"]
+            assert report["fallback"] is None and report["mode"] == "overlap", (n, report)
+            assert done["tokens"] == reference_generate(ckpt, ids, 10), (arch, n, chunk)
+            pieces = report["layers"]
+            assert sum(p["n_tokens"] for p in pieces) == 4 * n
+    finally:
+        t.stop()
+        m.stop()
