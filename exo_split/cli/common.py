@@ -96,7 +96,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     from exo_split.kv import DTYPES
 
     p.add_argument(
-        "--model", required=True, metavar="DIR", help="Hugging Face checkpoint directory"
+        "--model",
+        required=True,
+        metavar="DIR",
+        type=model_dir,
+        help="Hugging Face checkpoint directory, or an embedded model: "
+        + ", ".join(EMBEDDED_MODELS)
+        + " (converted into the cache on first use)",
     )
     p.add_argument(
         "--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)"
@@ -154,6 +160,31 @@ def with_client_ttft(report_json: dict, ttft: float | None) -> HandoffReport:
 
     report = load_report(report_json)
     return build_report(dataclasses.replace(report.timeline, client_ttft_s=ttft))
+
+
+EMBEDDED_MODELS = ("smollm2", "gemma3")
+
+
+def embedded_model(name: str) -> Path:
+    """The converted directory of an embedded model (converting it on first use)."""
+    if name == "smollm2":
+        from exo_split.models.smollm2 import ensure_smollm2 as ensure
+    elif name == "gemma3":
+        from exo_split.models.gemma3 import ensure_gemma3 as ensure
+    else:
+        raise ExoSplitError(
+            f"no embedded model {name!r}: expected one of {', '.join(EMBEDDED_MODELS)}"
+        )
+    with conversion_progress() as progress:
+        return ensure(progress=progress)
+
+
+def model_dir(value: str) -> Path:
+    """--model: a directory; an embedded model's name where no such directory exists."""
+    path = Path(value)
+    if value in EMBEDDED_MODELS and not path.exists():
+        return embedded_model(value)
+    return path
 
 
 @contextlib.contextmanager

@@ -13,7 +13,14 @@ import json
 import signal
 from pathlib import Path
 
-from exo_split.cli.common import UsageError, conversion_progress, run_request, say, with_client_ttft
+from exo_split.cli.common import (
+    EMBEDDED_MODELS,
+    UsageError,
+    embedded_model,
+    run_request,
+    say,
+    with_client_ttft,
+)
 
 RANDOM_WEIGHTS_NOTE = "random weights: the text is noise, the timings are real"
 TINY = "tiny"
@@ -31,9 +38,10 @@ def add_demo(subparsers) -> None:
     )
     p.add_argument(
         "--model",
-        metavar="tiny|DIR",
-        help="'tiny': the random-weight model, for timing work; DIR: a checkpoint directory "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+        metavar="tiny|gemma3|DIR",
+        help="'tiny': the random-weight model, for timing work; 'gemma3': the embedded Gemma 3 "
+        "270M (pretrained, asked as plain text); DIR: a checkpoint directory (default: the "
+        "embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--prompt-tokens",
@@ -41,7 +49,9 @@ def add_demo(subparsers) -> None:
         help=f"with --model tiny: the prompt length (default {TINY_PROMPT_TOKENS})",
     )
     p.add_argument(
-        "--max-tokens", type=int, help="tokens to generate at most (default 64; tiny: 32)"
+        "--max-tokens",
+        type=int,
+        help="tokens to generate at most (default 64; tiny: 32; a model without a chat template: 16)",
     )
     p.add_argument("--discover", action="store_true", help="find the nodes over mDNS")
     p.add_argument(
@@ -75,13 +85,10 @@ def _model(args) -> tuple[Path, str]:
         raise UsageError(
             "--prompt-tokens is for --model tiny: a real model reads the built-in document"
         )
-    if args.model is not None:
-        model_dir = Path(args.model)
+    if args.model is None or args.model in EMBEDDED_MODELS and not Path(args.model).exists():
+        model_dir = embedded_model(args.model or "smollm2")
     else:
-        from exo_split.models.smollm2 import ensure_smollm2
-
-        with conversion_progress() as progress:
-            model_dir = ensure_smollm2(progress=progress)
+        model_dir = Path(args.model)
     return model_dir, "chat" if has_chat_template(model_dir) else "raw"
 
 
@@ -96,7 +103,8 @@ def _request(kind: str, args, vocab_size: int) -> tuple[dict, str]:
         body = {"prompt": default_prompt(n - 1, vocab_size), "max_tokens": args.max_tokens or 32}
         return body, f"splitting one request: ~{n} prompt tokens, {body['max_tokens']} new"
     body = {"messages": doc.messages()} if kind == "chat" else {"prompt": doc.raw_prompt()}
-    body["max_tokens"] = args.max_tokens or 64
+    # A pretrained model (no template) goes on past its answer, to the next question.
+    body["max_tokens"] = args.max_tokens or (64 if kind == "chat" else 16)
     how = "through the chat template" if kind == "chat" else "as plain text (no chat template)"
     line = (
         f"splitting one request: a ~1,500-token document and a question, {how}\nQ: {doc.QUESTION}"

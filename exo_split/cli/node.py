@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from exo_split.cli.common import add_token_option, say, seconds, size
+from exo_split.cli.common import add_token_option, model_dir, say, seconds, size
 from exo_split.cli.discover import add_discovery_options, interfaces, static_peers
 
 DEFAULT_PORT = 52417
@@ -19,7 +19,12 @@ def add_node(subparsers) -> None:
         help="run a node agent (prefill and/or decode) for one model",
         description="Load a model into one backend and serve it to peers over HTTP.",
     )
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        type=model_dir,
+        help="Hugging Face checkpoint directory, or an embedded model (smollm2, gemma3)",
+    )
     p.add_argument("--backend", required=True, choices=("torch", "mlx"))
     p.add_argument("--device", help="torch: cpu or cuda[:N] (default: cuda if present); mlx: cpu")
     p.add_argument(

@@ -22,7 +22,11 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# What llama.cpp's gemma3 hard-codes instead of storing: every 6th layer global, the local
+# layers' RoPE base, and 1/sqrt(query_pre_attn_scalar) (hidden/heads for the 62-layer 27B).
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 RoPE, as per-frequency divisors
 
 
@@ -51,7 +55,7 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
             f"partial RoPE ({meta[f'{arch}.rope.dimension_count']} of {head_dim} dims) is not "
             "supported: expected RoPE over the whole head"
         )
-    if meta.get(f"{arch}.attention.sliding_window"):
+    if meta.get(f"{arch}.attention.sliding_window") and arch != "gemma3":
         raise BadCheckpoint("sliding-window attention GGUFs are not supported")
     if "token_embd.weight" not in tensors:
         raise BadCheckpoint("the GGUF has no token_embd.weight")
@@ -94,9 +98,36 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         raise BadCheckpoint("MLP or output-projection biases are not supported: expected none")
     if model_type == "llama":
         config["mlp_bias"] = False
+    elif arch == "gemma3":
+        config |= _gemma3(meta, config, scaling)
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}
     return config
+
+
+def _gemma3(meta: dict[str, Any], config: dict[str, Any], scaling) -> dict[str, Any]:
+    n = config["num_hidden_layers"]
+    theta = config["rope_theta"]
+    types = ["full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention"
+             for i in range(n)]  # fmt: skip
+    heads = config["num_attention_heads"]
+    scalar = config["hidden_size"] // heads if n == 62 else config["head_dim"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(meta["gemma3.attention.sliding_window"]),
+        "sliding_window_pattern": GEMMA3_PATTERN,
+        "layer_types": types,
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": GEMMA3_LOCAL_THETA,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }
 
 
 def _uniform(value: Any, what: str) -> int:

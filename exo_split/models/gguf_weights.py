@@ -44,6 +44,13 @@ LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 norms its attention and MLP on both sides, and llama.cpp stores every Gemma norm
+# weight as 1 + w (transformers' Gemma RMSNorm scales by 1 + w): the - 1 undoes that.
+GEMMA3_LAYER_TENSORS = LAYER_TENSORS | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -55,6 +62,7 @@ class PlannedTensor:
     name: str  # transformers name
     shape: tuple[int, ...]  # transformers shape [out, in]
     unpermute_heads: int | None  # llama Q/K: heads to undo llama.cpp's RoPE permutation over
+    shift: float = 0.0  # subtracted after dequantization (Gemma's 1 + w norms)
 
 
 def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
@@ -84,8 +92,11 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
             "self_attn.k_proj.bias": (nkv * hd,),
             "self_attn.v_proj.bias": (nkv * hd,),
         }
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         per_layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    if arch == "gemma3":
+        per_layer |= {"pre_feedforward_layernorm.weight": (d,),
+                      "post_feedforward_layernorm.weight": (d,)}  # fmt: skip
     for i in range(n_layers):
         expected |= {f"model.layers.{i}.{k}": s for k, s in per_layer.items()}
     if config["tie_word_embeddings"]:
@@ -95,7 +106,9 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
     for gguf_name, t in tensors.items():
         if gguf_name == ROPE_FREQS:
             continue  # became rope_scaling in config.json
-        name = _hf_name(gguf_name, n_layers)
+        name = _hf_name(
+            gguf_name, n_layers, GEMMA3_LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
+        )
         if name not in expected:
             raise BadCheckpoint(f"unexpected tensor {gguf_name} in a {arch} GGUF")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
@@ -108,7 +121,8 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
             heads = nh
         elif arch == "llama" and ".attn_k." in gguf_name:
             heads = nkv
-        plan.append(PlannedTensor(t, name, shape, heads))
+        shift = 1.0 if arch == "gemma3" and gguf_name.endswith("norm.weight") else 0.0
+        plan.append(PlannedTensor(t, name, shape, heads, shift))
     missing = sorted(set(expected) - {p.name for p in plan})
     if missing:
         raise BadCheckpoint(
@@ -117,12 +131,12 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
     return plan
 
 
-def _hf_name(gguf_name: str, n_layers: int) -> str | None:
+def _hf_name(gguf_name: str, n_layers: int, layer_tensors: dict[str, str]) -> str | None:
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
     m = _LAYER.fullmatch(gguf_name)
-    if m and int(m[1]) < n_layers and m[2] in LAYER_TENSORS:
-        return f"model.layers.{m[1]}.{LAYER_TENSORS[m[2]]}"
+    if m and int(m[1]) < n_layers and m[2] in layer_tensors:
+        return f"model.layers.{m[1]}.{layer_tensors[m[2]]}"
     return None
 
 
@@ -141,6 +155,8 @@ def _weights(plan: list[PlannedTensor]) -> Iterator[np.ndarray]:
         w = w.reshape(p.shape)
         if p.unpermute_heads:
             w = unpermute_rope(w, p.unpermute_heads)
+        if p.shift:
+            w = w - np.float32(p.shift)
         yield w
 
 
