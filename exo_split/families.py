@@ -36,6 +36,9 @@ class Family:
     # mlx-lm scales the embeddings by sqrt(hidden_size) rounded to this dtype, where
     # transformers rounds it to the weights' dtype: the MLX backend makes up the difference.
     mlx_embed_scale_dtype: str | None = None
+    # The rope scalings mlx-lm's module of the family applies (several build a plain RoPE and
+    # never read rope_scaling: a scaled checkpoint would rotate differently there).
+    mlx_rope: tuple[str, ...] = ("linear", "llama3", "yarn")
 
 
 _QWEN_MOE = {
@@ -76,21 +79,25 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True, window="flag"),
     "qwen3": Family(qk_norm=True, window="flag"),
     "qwen3_moe": Family(
+        mlx_rope=(),
         fields=_QWEN_MOE,
         mlx_names={"num_local_experts": "num_experts"},
         aliases={"num_local_experts": "num_experts"},
         qk_norm=True,
         window="flag",
     ),
-    "mixtral": Family(fields={"num_local_experts": 8, "num_experts_per_tok": 2}, window="always"),
+    "mixtral": Family(
+        mlx_rope=(), fields={"num_local_experts": 8, "num_experts_per_tok": 2}, window="always"
+    ),
     "phi3": Family(
+        mlx_rope=(),
         fields={"partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096},
         window="always",
     ),
     "olmo2": Family(),
     "olmo3": Family(fields={"layer_types": None}, window="layer_types"),
-    "glm4": Family(fields={"partial_rotary_factor": 0.5}),
-    "glm4_moe": Family(fields={"partial_rotary_factor": 0.5, **_GLM_MOE}),
+    "glm4": Family(mlx_rope=(), fields={"partial_rotary_factor": 0.5}),
+    "glm4_moe": Family(mlx_rope=(), fields={"partial_rotary_factor": 0.5, **_GLM_MOE}),
     "smollm3": Family(fields={"no_rope_layers": None, "no_rope_layer_interval": 4}, window="flag"),
     "granite": Family(
         fields={
@@ -101,8 +108,11 @@ FAMILIES: dict[str, Family] = {
             "mlp_bias": False,
         }
     ),
-    "cohere": Family(fields={"logit_scale": 0.0625, "use_qk_norm": False, "layer_norm_eps": 1e-5}),
+    "cohere": Family(
+        mlx_rope=(), fields={"logit_scale": 0.0625, "use_qk_norm": False, "layer_norm_eps": 1e-5}
+    ),
     "cohere2": Family(
+        mlx_rope=(),
         fields={"logit_scale": 0.0625, "layer_norm_eps": 1e-5},
         window="layer_types",
         mlx_pattern=True,

@@ -20,18 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exo_split import families
+from exo_split import families, rope
 from exo_split.errors import BadCheckpoint, ExoSplitError, IncompatiblePeer, PromptTooLong
 
 SUPPORTED_ARCHITECTURES = tuple(families.FAMILIES)
-
-_ROPE_KEYS = (
-    "rope_type",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-)
 
 
 @dataclass(frozen=True)
@@ -122,20 +114,6 @@ def _frozen_items(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, _frozen(v)) for k, v in d.items()))
 
 
-def _rope_scaling(merged: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    if "type" in merged and "rope_type" not in merged:
-        merged = {**merged, "rope_type": merged["type"]}
-    scaling = {k: merged[k] for k in _ROPE_KEYS if merged.get(k) is not None}
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "default":
-        return ()
-    if rope_type not in ("llama3", "linear"):
-        raise BadCheckpoint(
-            f"unsupported rope type {rope_type!r}: exo-split supports default, linear and llama3"
-        )
-    return tuple(sorted(scaling.items()))
-
-
 def _rope(
     config: dict[str, Any], fam: families.Family
 ) -> tuple[float, tuple[tuple[str, Any], ...], dict[str, Any]]:
@@ -150,7 +128,8 @@ def _rope(
         params = params.get(families.FULL) or local or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     merged = {**legacy, **params}
-    scaling = _rope_scaling(merged)
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    scaling = tuple(sorted(rope.canonical(merged, max_position_embeddings=max_pos).items()))
     extra = {k: merged.get(k, config.get(k)) for k in families.ROPE_FIELDS if k in fam.fields}
     if local is not None:
         local_theta = float(local.get("rope_theta", theta))
@@ -161,7 +140,7 @@ def _rope(
                 f"the sliding layers' rope theta ({local_theta}) differs from the full "
                 f"layers' ({theta}): exo-split's {config.get('model_type')} runs one theta"
             )
-        if _rope_scaling(dict(local)):
+        if rope.canonical(dict(local), max_position_embeddings=max_pos):
             raise BadCheckpoint("rope scaling on the sliding layers is not supported")
     return theta, scaling, {k: v for k, v in extra.items() if v is not None}
 
@@ -224,6 +203,12 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
         theta, scaling, rope_fields = _rope(config, fam)
+        kind = dict(scaling).get("rope_type")
+        if kind is not None and kind not in fam.mlx_rope:
+            raise BadCheckpoint(
+                f"{arch} with {kind} rope scaling: mlx-lm's {arch} module builds a plain RoPE "
+                "and never applies it, so the two sides would rotate differently"
+            )
         layer_types, window = _layer_types(arch, fam, config, n_layers)
         extras = _family_fields(fam, config, n_layers) | rope_fields
         eps = config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-6))

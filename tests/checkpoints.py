@@ -45,10 +45,16 @@ _COMMON = dict(
     pad_token_id=None,
 )
 
+
+def _family(cls, **fixed):
+    """A config builder: the common sizes, then the family's own values, then the test's."""
+    return lambda **kw: cls(**{**_COMMON, **fixed, **kw})
+
+
 FAMILIES = {
     # Llama, GQA, llama3 rope scaling, non-default theta, untied.
-    "llama": lambda **kw: LlamaConfig(
-        **{**_COMMON, **kw},
+    "llama": _family(
+        LlamaConfig,
         num_key_value_heads=2,
         tie_word_embeddings=False,
         rope_parameters={
@@ -61,23 +67,23 @@ FAMILIES = {
         },
     ),
     # Mistral, MQA (one KV head), tied embeddings.
-    "mistral": lambda **kw: MistralConfig(
-        **{**_COMMON, **kw},
+    "mistral": _family(
+        MistralConfig,
         num_key_value_heads=1,
         tie_word_embeddings=True,
         sliding_window=None,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
     ),
     # Qwen2: q/k/v biases, GQA, untied.
-    "qwen2": lambda **kw: Qwen2Config(
-        **{**_COMMON, **kw},
+    "qwen2": _family(
+        Qwen2Config,
         num_key_value_heads=2,
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # Qwen3: q/k norms, explicit head_dim != hidden/heads, MQA, tied.
-    "qwen3": lambda **kw: Qwen3Config(
-        **{**_COMMON, **kw},
+    "qwen3": _family(
+        Qwen3Config,
         num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=True,
@@ -92,49 +98,49 @@ S, F = "sliding_attention", "full_attention"
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _SMALL = dict(num_hidden_layers=4, num_key_value_heads=2)
 MORE_FAMILIES = {
-    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
-        **{**_COMMON, **_SMALL, **kw}, **_MOE, num_experts=4, head_dim=32, norm_topk_prob=True,
+    "qwen3_moe": _family(Qwen3MoeConfig,
+        **_SMALL, **_MOE, num_experts=4, head_dim=32, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[1],
         rope_parameters={"rope_type": "default", "rope_theta": 200000.0},
     ),
-    "mixtral": lambda **kw: MixtralConfig(
-        **{**_COMMON, **_SMALL, **kw}, num_local_experts=4, num_experts_per_tok=2,
+    "mixtral": _family(MixtralConfig,
+        **_SMALL, num_local_experts=4, num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 30000.0},
     ),
-    "phi3": lambda **kw: Phi3Config(
-        **{**_COMMON, **_SMALL, **kw},
+    "phi3": _family(Phi3Config,
+        **_SMALL,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
     ),
-    "olmo2": lambda **kw: Olmo2Config(**{**_COMMON, **_SMALL, **kw}),
-    "olmo3": lambda **kw: Olmo3Config(
-        **{**_COMMON, **_SMALL, **kw}, sliding_window=WINDOW, layer_types=[S, F, S, F],
+    "olmo2": _family(Olmo2Config, **_SMALL),
+    "olmo3": _family(Olmo3Config,
+        **_SMALL, sliding_window=WINDOW, layer_types=[S, F, S, F],
     ),
-    "glm4": lambda **kw: Glm4Config(
-        **{**_COMMON, **_SMALL, **kw}, head_dim=16,
+    "glm4": _family(Glm4Config,
+        **_SMALL, head_dim=16,
         rope_parameters={"rope_type": "default", "rope_theta": 40000.0, "partial_rotary_factor": 0.5},
     ),
-    "glm4_moe": lambda **kw: Glm4MoeConfig(
-        **{**_COMMON, **_SMALL, **kw}, **_MOE, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+    "glm4_moe": _family(Glm4MoeConfig,
+        **_SMALL, **_MOE, head_dim=16, n_routed_experts=4, n_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.5,
         use_qk_norm=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
-    "smollm3": lambda **kw: SmolLM3Config(
-        **{**_COMMON, **_SMALL, **kw}, no_rope_layers=[1, 0, 1, 0],
+    "smollm3": _family(SmolLM3Config,
+        **_SMALL, no_rope_layers=[1, 0, 1, 0],
     ),
-    "granite": lambda **kw: GraniteConfig(
-        **{**_COMMON, **_SMALL, **kw}, logits_scaling=4.0, embedding_multiplier=3.0,
+    "granite": _family(GraniteConfig,
+        **_SMALL, logits_scaling=4.0, embedding_multiplier=3.0,
         residual_multiplier=0.5, attention_multiplier=0.2,
     ),
-    "cohere": lambda **kw: CohereConfig(
-        **{**_COMMON, **_SMALL, **kw}, logit_scale=0.3, use_qk_norm=False,
+    "cohere": _family(CohereConfig,
+        **_SMALL, logit_scale=0.3, use_qk_norm=False,
     ),
-    "cohere2": lambda **kw: Cohere2Config(
-        **{**_COMMON, **_SMALL, **kw}, head_dim=16, logit_scale=0.3, sliding_window=WINDOW,
+    "cohere2": _family(Cohere2Config,
+        **_SMALL, head_dim=16, logit_scale=0.3, sliding_window=WINDOW,
         layer_types=[S, F, S, F],
     ),
-    "gemma3_text": lambda **kw: Gemma3TextConfig(
-        **{**_COMMON, **_SMALL, **kw}, head_dim=16, sliding_window=WINDOW, layer_types=[S, F, S, F],
+    "gemma3_text": _family(Gemma3TextConfig,
+        **_SMALL, head_dim=16, sliding_window=WINDOW, layer_types=[S, F, S, F],
         query_pre_attn_scalar=24, final_logit_softcapping=None,
         rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 300000.0},

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -34,7 +35,7 @@ def checkpoint(tmp_path_factory):
     built = {}
 
     def get(family: str = "llama", **overrides):
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, json.dumps(overrides, sort_keys=True))  # overrides may hold dicts
         if key not in built:
             out = tmp_path_factory.mktemp(f"ckpt-{family}")
             built[key] = build(out, family, **overrides)

@@ -89,8 +89,8 @@ def test_round_trip_through_a_dict():
         ({**BASE, "model_type": "gpt2"}, "unsupported architecture 'gpt2'"),
         ({k: v for k, v in BASE.items() if k != "hidden_size"}, "hidden_size"),
         (
-            {**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-            "unsupported rope type",
+            {**BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "unsupported rope type 'dynamic'",
         ),
     ],
 )

@@ -1,0 +1,92 @@
+"""RoPE scaling: the canonical form of a config's rope settings, and the refusals where the
+two libraries would compute different rotations from the same file (no torch or mlx here).
+
+transformers and mlx-lm each implement llama3, linear and YaRN scaling; this module accepts a
+setting only where both give the same frequencies and scale:
+- YaRN: mlx-lm derives the attention scale from mscale / mscale_all_dim and always truncates
+  the correction range; transformers takes `attention_factor` when given, uses mscale only
+  when both are set, and truncates unless `truncate` is false. Each such case is compared
+  and refused if the two disagree. A missing `factor` is derived as transformers derives it.
+- longrope (Phi-3.5/4-mini): mlx-lm applies the long factors at every length, transformers
+  the short ones up to original_max_position_embeddings: refused.
+- dynamic: the frequencies change with the length in transformers: refused.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from exo_split.errors import BadCheckpoint
+
+KEYS = (
+    "rope_type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
+SUPPORTED = ("default", "linear", "llama3", "yarn")
+_WHY_NOT = {
+    "longrope": "mlx-lm's longrope applies the long factors at every length, transformers the "
+    "short ones below original_max_position_embeddings: the two sides would differ",
+    "dynamic": "dynamic NTK scaling changes the frequencies with the length in transformers",
+}
+
+
+def canonical(merged: dict[str, Any], *, max_position_embeddings: int) -> dict[str, Any]:
+    """The rope_scaling fields that matter, checked ({} for plain RoPE)."""
+    if "type" in merged and "rope_type" not in merged:
+        merged = {**merged, "rope_type": merged["type"]}
+    scaling = {k: merged[k] for k in KEYS if merged.get(k) is not None}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "default":
+        return {}
+    if rope_type not in SUPPORTED:
+        why = _WHY_NOT.get(rope_type, "")
+        raise BadCheckpoint(
+            f"unsupported rope type {rope_type!r}: exo-split supports {', '.join(SUPPORTED)}"
+            + (f" ({why})" if why else "")
+        )
+    if rope_type == "yarn":
+        scaling = _yarn(scaling, max_position_embeddings)
+    return scaling
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(s: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    if "original_max_position_embeddings" not in s:
+        raise BadCheckpoint("YaRN rope scaling without original_max_position_embeddings")
+    if s.get("factor") is None:
+        s["factor"] = max_position_embeddings / s["original_max_position_embeddings"]
+    if s.get("truncate", True) is False:
+        raise BadCheckpoint(
+            "YaRN with truncate: false (gpt-oss): mlx-lm always truncates the correction "
+            "range, so the two sides would rotate differently"
+        )
+    s.pop("truncate", None)
+    factor, mscale, all_dim = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
+    theirs = s.get("attention_factor")
+    if theirs is None:
+        theirs = (
+            _mscale(factor, mscale) / _mscale(factor, all_dim)
+            if mscale and all_dim
+            else _mscale(factor)
+        )
+    ours = _mscale(factor, mscale if mscale is not None else 1.0) / _mscale(factor, all_dim or 0.0)
+    if not math.isclose(ours, theirs, rel_tol=1e-9):
+        raise BadCheckpoint(
+            f"YaRN attention scale: transformers uses {theirs:.6g}, mlx-lm would use "
+            f"{ours:.6g} (attention_factor / mscale / mscale_all_dim)"
+        )
+    s.pop("attention_factor", None)  # equal to what both derive: not a setting of its own
+    return s
