@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -733,3 +736,52 @@ def test_convert_gguf_command(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("exo-split: error: ") and "not a GGUF file" in err
     assert "Traceback" not in err and not (tmp_path / "out2").exists()
+
+
+# ---------------------------------------------------------------- hostile files (issue 18, L1)
+
+_FORGED_ARRAY = (
+    b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 20) + b"general.architecture"
+    + struct.pack("<IIQ", 9, 4, 1 << 40)  # an array of 2^40 uint32 in a 68-byte file
+)  # fmt: skip
+
+
+def test_a_forged_array_count_is_refused_before_any_allocation(tmp_path):
+    """Run in a child capped at 2 GiB of address space: were the count believed, the reader
+    would try to build 2^40 items (an uncaught MemoryError before, the box's memory now)."""
+    path = tmp_path / "forged.gguf"
+    path.write_bytes(_FORGED_ARRAY)
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30));"
+        "from exo_split.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "convert-gguf", str(path), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "an array of 1,099,511,627,776 items, 0 bytes left" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ({"llama.block_count": 2**32 - 1}, r"block_count is 4,294,967,295: expected 1 to 16,777,216"),
+        ({"llama.block_count": 5000}, r"block_count says 5,000 layers but the file holds tensors of 1"),
+        ({"llama.attention.head_count": 0}, r"head_count is 0: expected 1 to"),
+        ({"llama.attention.head_count_kv": 3}, r"3 KV heads for 2 attention heads"),
+        ({"llama.embedding_length": 2**31}, r"embedding_length is 2,147,483,648: expected 1 to"),
+    ],
+)  # fmt: skip
+def test_counts_that_no_model_has_are_refused_in_words(tmp_path, meta, message):
+    with pytest.raises(BadCheckpoint, match=message):
+        convert_gguf(small_llama(tmp_path, meta=meta), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_string_longer_than_the_file_is_refused(tmp_path):
+    blob = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 50) + b"x"
+    (tmp_path / "s.gguf").write_bytes(blob)
+    with pytest.raises(BadCheckpoint, match=r"key 0: 1,125,899,906,842,624 bytes of values"):
+        convert_gguf(tmp_path / "s.gguf", tmp_path / "out")

@@ -26,10 +26,11 @@ import logging
 import os
 import secrets
 import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.models.gguf_config import ARCHITECTURES, hf_config
@@ -152,14 +153,77 @@ def check_magic(path: Path) -> None:
         )
 
 
+# GGUF value types: u8 i8 u16 i16 u32 i32 f32 bool (0-7), string (8), array (9), u64 i64 f64.
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def check_bounds(f: BinaryIO) -> None:
+    """Every count in a GGUF's header and key-value section fits the bytes the file has,
+    checked before gguf's reader sees it: that reader builds a list per array element, so
+    one forged count (2^40 items in a 68-byte file) would take all the memory there is.
+    Reads the header and seeks over the values. BadCheckpoint names the first count that
+    does not fit."""
+    end = os.fstat(f.fileno()).st_size
+
+    def take(fmt: str, what: str) -> int:
+        size = struct.calcsize(fmt)
+        raw = f.read(size)
+        if len(raw) < size:
+            raise BadCheckpoint(f"the file ends inside {what} (byte {f.tell():,} of {end:,})")
+        return struct.unpack(fmt, raw)[0]
+
+    def skip(n: int, what: str) -> None:
+        if n > end - f.tell():
+            raise BadCheckpoint(f"{what}: {n:,} bytes of values, {end - f.tell():,} left")
+        f.seek(n, os.SEEK_CUR)
+
+    def value(kind: int, what: str, depth: int = 0) -> None:
+        if kind in _SCALAR_SIZES:
+            skip(_SCALAR_SIZES[kind], what)
+        elif kind == _STRING:
+            skip(take("<Q", what), what)
+        elif kind == _ARRAY and depth < 4:
+            item, n = take("<I", what), take("<Q", what)
+            least = _SCALAR_SIZES.get(item, 8)  # a string or an array takes 8 bytes at least
+            if n * least > end - f.tell():
+                raise BadCheckpoint(f"{what}: an array of {n:,} items, {end - f.tell():,} bytes left")  # fmt: skip
+            if item in _SCALAR_SIZES:
+                skip(n * least, what)
+            else:
+                for _ in range(n):
+                    value(item, what, depth + 1)
+        else:
+            raise BadCheckpoint(f"{what}: unknown GGUF value type {kind}")
+
+    f.seek(4)
+    version = take("<I", "the header")
+    if version not in (2, 3):
+        raise BadCheckpoint(f"GGUF version {version}: exo-split reads versions 2 and 3")
+    tensors, kvs = take("<Q", "the header"), take("<Q", "the header")
+    if tensors > end // 24 or kvs > end // 12:  # the smallest tensor info / key-value entry
+        raise BadCheckpoint(f"the header claims {tensors:,} tensors and {kvs:,} keys in "
+                            f"{end:,} bytes")  # fmt: skip
+    for i in range(kvs):
+        value(_STRING, f"key {i}")
+        value(take("<I", f"key {i}"), f"key {i}")
+
+
 def open_gguf(path: Path):
     """A GGUFReader on `path`, or BadCheckpoint saying what the file is instead."""
     check_magic(path)
+    try:
+        with path.open("rb") as f:
+            check_bounds(f)
+    except BadCheckpoint as exc:
+        raise BadCheckpoint(f"cannot read {path.name} as GGUF: {exc}") from None
     from gguf import GGUFReader  # the import takes ~1 s: only when converting
 
     try:
         reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError) as exc:
+    except (ValueError, IndexError, KeyError, OSError, MemoryError, OverflowError) as exc:
+        # MemoryError / OverflowError: a count in the file (an array of 2^40 items in a
+        # 60-byte file) that no real model has; the reader tried to allocate it.
         # gguf's reader also fails here on a tensor type newer than its own table.
         raise BadCheckpoint(
             f"cannot read {path} as GGUF (truncated, corrupt, or a format newer than gguf "

@@ -42,10 +42,23 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
             raise BadCheckpoint(f"the GGUF lacks {arch}.{name}, which the conversion needs")
         return value
 
-    n_heads = int(key("attention.head_count"))
+    n_heads = _size(key("attention.head_count"), f"{arch}.attention.head_count")
     n_kv = _uniform(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
-    hidden = int(key("embedding_length"))
-    head_dim = int(key("attention.key_length", hidden // n_heads))
+    hidden = _size(key("embedding_length"), f"{arch}.embedding_length")
+    head_dim = _size(key("attention.key_length", hidden // n_heads), f"{arch}.attention.key_length")
+    n_layers = _size(key("block_count"), f"{arch}.block_count")
+    # Each layer has tensors of its own: a count beyond them is a damaged (or hostile) file,
+    # and looping over it (2^32 layers) would never end.
+    blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+    if n_layers > len(blocks):
+        raise BadCheckpoint(
+            f"{arch}.block_count says {n_layers:,} layers but the file holds tensors of "
+            f"{len(blocks)}: a damaged GGUF"
+        )
+    if not 1 <= n_kv <= n_heads or n_heads % n_kv:
+        raise BadCheckpoint(
+            f"{n_kv} KV heads for {n_heads} attention heads: expected a divisor of the heads"
+        )
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise BadCheckpoint(
             f"key and value head sizes differ: {head_dim} != {meta[f'{arch}.attention.value_length']}"
@@ -73,8 +86,8 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": _size(key("feed_forward_length"), f"{arch}.feed_forward_length"),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
@@ -130,6 +143,18 @@ def _gemma3(meta: dict[str, Any], config: dict[str, Any], scaling) -> dict[str, 
     }
 
 
+_MAX_SIZE = 1 << 24  # no model dimension comes near 16M; larger is a damaged file
+
+
+def _size(value: Any, what: str) -> int:
+    """A model dimension: an integer from 1 to _MAX_SIZE, else BadCheckpoint naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise BadCheckpoint(f"{what} is {value!r}: expected a positive integer")
+    if not 1 <= int(value) <= _MAX_SIZE:
+        raise BadCheckpoint(f"{what} is {int(value):,}: expected 1 to {_MAX_SIZE:,}")
+    return int(value)
+
+
 def _uniform(value: Any, what: str) -> int:
     """A per-layer array that must hold one value for every layer (or a plain int)."""
     if isinstance(value, list):
@@ -138,7 +163,7 @@ def _uniform(value: Any, what: str) -> int:
                 f"{what} differs between layers ({sorted(set(value))}): expected one value"
             )
         value = value[0]
-    return int(value)
+    return _size(value, what)
 
 
 def _rope_scaling(meta, arch: str, freqs, theta: float, head_dim: int) -> dict[str, Any] | None:
