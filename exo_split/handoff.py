@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from exo_split.backends.base import Backend
+from exo_split.kv import window_floor
 from exo_split.sampling import GREEDY, Sampling, sample
 from exo_split.spec import check_request, require_compatible
 
@@ -36,10 +37,13 @@ def prefill_into(
     if prefill is decode:
         done = prefill.prefill(token_ids, chunk=chunk, capacity=capacity)
         return done.cache, done.logits
-    cache = decode.new_cache(capacity)
+    n, keep = len(token_ids), getattr(decode, "window_keep", ())
+    cache = decode.new_cache(capacity, prompt_len=n) if keep else decode.new_cache(capacity)
 
     def on_layer(kv):
-        decode.inject(cache, kv.astype(decode.dtype))
+        inside = kv.since(window_floor(keep, kv.layer, n))  # a sliding layer: its window only
+        if inside is not None:
+            decode.inject(cache, inside.astype(decode.dtype))
         if kv.release is not None:  # the bytes are in the decode cache: the staging slot is free
             kv.release()
 

@@ -7,7 +7,8 @@ Layout of K and V: `[n_kv_heads, n_tokens, head_dim]`, row-major, keys already r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,13 @@ def storage_dtype(name: str) -> np.dtype:
 
 def itemsize(name: str) -> int:
     return storage_dtype(name).itemsize
+
+
+def window_floor(keep: Sequence[int | None], layer: int, prompt_len: int, start: int = 0) -> int:
+    """The first prompt position a layer's KV is sent and kept from: `start`, or for a layer
+    that keeps only its last `keep[layer]` positions (a sliding window), the later of the two."""
+    k = keep[layer] if keep else None
+    return start if k is None else max(start, prompt_len - k)
 
 
 def chunk_sizes(n_tokens: int, chunk: int | None) -> tuple[int, ...]:
@@ -75,6 +83,15 @@ class LayerKV:
     @property
     def n_tokens(self) -> int:
         return self.k.shape[1]
+
+    def since(self, position: int) -> LayerKV | None:
+        """The piece from `position` on (views, the same `release`); None if it ends before."""
+        cut = position - self.token_start
+        if cut <= 0:
+            return self
+        if cut >= self.n_tokens:
+            return None
+        return dataclasses.replace(self, token_start=position, k=self.k[:, cut:], v=self.v[:, cut:])
 
     @property
     def nbytes(self) -> int:

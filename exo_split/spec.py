@@ -79,6 +79,16 @@ class ModelSpec:
         layer on both sides, so a prompt may run past it."""
         return None if self.layer_types else self.sliding_window
 
+    @property
+    def window_keep(self) -> tuple[int | None, ...]:
+        """Per layer, how many of the prompt's last positions a decode side must hold: W - 1
+        for a sliding layer (the next query is the window's W-th position), None (all) for a
+        full one. Empty when every layer is full."""
+        if not (self.layer_types and self.sliding_window):
+            return ()
+        return tuple(self.sliding_window - 1 if t == families.SLIDING else None
+                     for t in self.layer_types)  # fmt: skip
+
     def extra(self, key: str, default: Any = None) -> Any:
         return dict(self.extras).get(key, default)
 

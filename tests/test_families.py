@@ -185,16 +185,20 @@ def test_past_the_window_the_window_matters(arch, checkpoint, tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
 def test_two_nodes_of_a_new_family_match_transformers(arch, checkpoint, tmp_path):
     """A mixture of experts and a model with sliding layers (prompts below the window and
-    3x past it, chunks that cross it) through a torch prefill node and an MLX decode node."""
+    past it, chunks that cross it) through a torch prefill node and an MLX decode node. A
+    sliding layer's KV travels only for the window's last W - 1 positions: the report's
+    pieces and kv_bytes say exactly that."""
     from nodes import NodeProcess, generate_sync
     from reference import prompt_ids, reference_generate
 
     ckpt = checkpoint(arch)
+    spec = load_spec(ckpt)
+    per_position = 2 * spec.n_kv_heads * spec.head_dim * 4  # K and V, float32
     t, m = NodeProcess(ckpt, "torch", tmp_path), NodeProcess(ckpt, "mlx", tmp_path)
     try:
         t.wait_ready()
         m.wait_ready()
-        for n, chunk in ((1, None), (40, None), (3 * WINDOW, None), (3 * WINDOW, 48)):
+        for n, chunk in ((1, None), (40, None), (3 * WINDOW, None), (3 * WINDOW, 48), (1000, 300)):
             ids = prompt_ids(n, seed=n)
             body = {"token_ids": ids, "max_tokens": 10, "prefill_peer": t.addr, "chunk": chunk,
                     "fallback": "none"}  # fmt: skip
@@ -202,8 +206,11 @@ def test_two_nodes_of_a_new_family_match_transformers(arch, checkpoint, tmp_path
             report = done["report"]
             assert report["fallback"] is None and report["mode"] == "overlap", (n, report)
             assert done["tokens"] == reference_generate(ckpt, ids, 10), (arch, n, chunk)
-            pieces = report["layers"]
-            assert sum(p["n_tokens"] for p in pieces) == 4 * n
+            sent = sum(min(n, k) if k else n for k in spec.window_keep or [None] * spec.n_layers)
+            assert sum(p["n_tokens"] for p in report["layers"]) == sent
+            assert report["kv_bytes"] == sent * per_position
+            if arch == "gemma3_text" and n == 1000:  # 2 full layers, 2 of the window's 63
+                assert sent == 2 * 1000 + 2 * (WINDOW - 1)
     finally:
         t.stop()
         m.stop()
@@ -224,3 +231,72 @@ def test_gemmas_embedding_scale_is_transformers_in_every_dtype(checkpoint, monke
     assert not report.passed
     assert {p.name for p in report.failing} == {"torch->mlx", "mlx->torch", "mlx->mlx"}
     assert all(p.reason.startswith("greedy tokens agree but logits differ") for p in report.failing)
+
+
+def test_a_sliding_layer_keeps_only_its_window_and_reuse_respects_it(checkpoint):
+    """In process, torch prefill -> MLX cache: a sliding layer holds the prompt's last W - 1
+    positions only (its memory says so), decoding from it gives transformers' tokens, and a
+    prefix cache serves it only to prompts that keep the window before their next position:
+    a continuation resumes on it (local prefill on top of the window) with transformers'
+    tokens, a prompt sharing less is computed afresh."""
+    from reference import prompt_ids, reference_generate
+
+    from exo_split.backends import load_backend
+    from exo_split.handoff import prefill_into
+    from exo_split.node.prefix import PrefixCache
+    from exo_split.sampling import GREEDY, sample
+
+    ckpt = checkpoint("gemma3_text")
+    torch_b, mlx_b = load_backend("torch", ckpt), load_backend("mlx", ckpt)
+    spec, n, room = mlx_b.spec, 1000, 10
+    ids = prompt_ids(n, seed=11)
+    cache, logits = prefill_into(torch_b, mlx_b, ids, capacity=n + room)
+    floor = n - (WINDOW - 1)
+    assert [c.base for c in cache] == [floor if k else 0 for k in spec.window_keep]
+    per_slot = 2 * spec.n_kv_heads * spec.head_dim * 4
+    slots = [256 if k else 1024 for k in spec.window_keep]  # mlx-lm's steps of 256
+    assert mlx_b.cache_nbytes(cache) == sum(slots) * per_slot
+    first = sample(logits, GREEDY, 0)[0]
+    tokens = [first, *mlx_b.decode(cache, first, max_tokens=room, sampling=GREEDY)]
+    assert len(tokens) == room and tokens == reference_generate(ckpt, ids, room)
+
+    held = ids + tokens[:-1]  # what the cache covers after decoding
+    prefix = PrefixCache(mlx_b, limit_bytes=1 << 30)
+    prefix.put(held, cache)
+    assert prefix._entries[0].floor == n  # the window before position n is still there
+    assert prefix.checkout(ids[:500] + [7] * 20).how == "none"  # shares 500 < the floor
+    more = held + prompt_ids(30, seed=12)[1:]
+    co = prefix.checkout(more)
+    assert (co.how, co.cached) == ("take", len(held))
+    resumed = prefix.materialize(co, capacity=len(more) + 6)
+    done = mlx_b.prefill(more, cache=resumed)
+    first = sample(done.logits, GREEDY, 0)[0]
+    again = [first, *mlx_b.decode(done.cache, first, max_tokens=6, sampling=GREEDY)]
+    assert len(again) == 6 and again == reference_generate(ckpt, more, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "granite"])
+def test_a_quantized_copy_decodes_the_full_precision_handoff(arch, checkpoint, tmp_path):
+    """mlx-community's layout (an mlx_lm.convert 8-bit copy) on the decode side of a MoE, a
+    sliding-window and a scaled-logits family: the check's quantized bar (teacher-forced
+    top-1 agreement with mlx-lm running the copy alone) holds, and the copy is the same model
+    (fingerprint) as the full-precision prefill side."""
+    from mlx_lm.convert import convert
+
+    from exo_split.backends.mlx_backend import _mlx_config
+
+    ckpt = checkpoint(arch)
+    # mlx_lm.convert reads config.json by itself, and a transformers-5 one lacks what its
+    # ModelArgs want (rope_theta at the top, qwen3_moe's num_experts): mlx-community's files
+    # carry both layouts, so the copy converted here does too.
+    both = shutil.copytree(ckpt, tmp_path / "both-layouts")
+    config = json.loads((both / "config.json").read_text())
+    (both / "config.json").write_text(json.dumps(config | _mlx_config(load_spec(ckpt))))
+    q8 = tmp_path / "q8"
+    convert(str(both), str(q8), quantize=True, q_bits=8, q_group_size=32)
+    assert load_spec(q8).fingerprint == load_spec(ckpt).fingerprint
+    report = run_check(ckpt, q8, max_tokens=8)
+    assert report.decode_quantization["bits"] == 8
+    assert report.passed, [p.reason for p in report.failing]
+    assert [p.name for p in report.pairings] == ["torch->mlx", "mlx->mlx"]

@@ -87,8 +87,14 @@ class Backend(Protocol):
         sequential mode: staging memory stays bounded as during an overlapped prefill."""
         ...
 
-    def new_cache(self, capacity: int) -> Any:
-        """An empty cache with room for `capacity` positions."""
+    # Per layer, how many of a prompt's last positions `new_cache(..., prompt_len=n)` keeps
+    # (a sliding window, spec.window_keep); None: all; empty: every layer keeps all.
+    window_keep: tuple[int | None, ...]
+
+    def new_cache(self, capacity: int, *, prompt_len: int | None = None) -> Any:
+        """An empty cache with room for `capacity` positions. `prompt_len`: it is to be filled
+        with a prompt of n positions from outside (inject, or received in place): a layer
+        with a window may then keep only `window_keep[layer]` of them (kv.window_floor)."""
         ...
 
     def inject(self, cache: Any, kv: LayerKV) -> None:

@@ -38,7 +38,7 @@ from exo_split import families
 from exo_split.backends import mlx_decode
 from exo_split.backends.base import Cancelled, DecodeStats, OnLayer, Prefilled
 from exo_split.errors import BadCheckpoint
-from exo_split.kv import LayerKV, chunk_sizes
+from exo_split.kv import LayerKV, chunk_sizes, window_floor
 from exo_split.sampling import Sampling
 from exo_split.spec import ModelSpec, Quantization, load_quantization, load_spec
 
@@ -98,18 +98,43 @@ class _StreamingKVCache(KVCache):
     """A KVCache that shows each layer's new K/V to a hook before writing them.
 
     `computed`: (end position, time) of each piece a prefill wrote, for `stream_kv`.
+    `base`: the position slot 0 holds. A sliding layer received from a remote prefill keeps
+    only its window: positions [base, offset) in slots [0, offset - base), `offset` staying
+    the absolute position (the RoPE offset), and the mask saying which slots each query sees.
     """
 
-    def __init__(self, layer: int, hook: Callable[[int, mx.array, mx.array], None]):
+    def __init__(self, layer: int, hook: Callable[[int, mx.array, mx.array], None], base: int = 0):
         super().__init__()
         self.layer = layer
         self.hook: Callable | None = hook
         self.computed: list[tuple[int, float]] = []
+        self.base = self.offset = base
 
     def update_and_fetch(self, keys, values):
         if self.hook is not None:
             self.hook(self.layer, keys, values)
-        return super().update_and_fetch(keys, values)
+        if not self.base:
+            return super().update_and_fetch(keys, values)
+        self.offset -= self.base  # KVCache's own writing and growth, in slot space
+        try:
+            return super().update_and_fetch(keys, values)
+        finally:
+            self.offset += self.base
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if not self.base:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        q = mx.arange(self.offset, self.offset + N)[:, None]  # the queries' positions
+        k = mx.arange(self.base, self.offset + N)[None]  # the slots' positions
+        mask = k <= q
+        return mask & (k > q - window_size) if window_size else mask
+
+    def slots(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """K and V [1, heads, end - start, dim] of positions [start, end) (>= base)."""
+        if start < self.base:
+            raise ValueError(f"layer {self.layer} keeps positions from {self.base}, not {start}")
+        a, b = start - self.base, end - self.base
+        return self.keys[:, :, a:b], self.values[:, :, a:b]
 
 
 def _streaming(c: KVCache, layer: int, hook) -> _StreamingKVCache:
@@ -199,7 +224,7 @@ class MLXBackend:
             raise ValueError(f"need emit_from ({emit_from}) < n ({n}) and cached ({cached}) < n")
         if on_layer is not None and emit_from < cached:  # the cached part the receiver lacks
             for i, c in enumerate(cache):
-                k, v = (to_numpy(a[0, :, emit_from:cached]) for a in (c.keys, c.values))
+                k, v = (to_numpy(a[0]) for a in c.slots(emit_from, cached))
                 on_layer(LayerKV(i, emit_from, k, v, self.dtype, clock()))
         ids = mx.array([[int(t) for t in token_ids]])
         try:
@@ -249,20 +274,39 @@ class MLXBackend:
                 stamps = getattr(c, "computed", [])
                 j = bisect.bisect_left([e for e, _ in stamps], end)  # the piece holding end - 1
                 at = stamps[j][1] if j < len(stamps) else None
-                k, v = c.keys[0, :, start:end], c.values[0, :, start:end]
+                a, b = start - c.base, end - c.base  # one slice op: a view of the cache
+                k, v = c.keys[0, :, a:b], c.values[0, :, a:b]
                 on_layer(LayerKV(i, start, host_view(k), host_view(v), self.dtype, at))
 
     def _preallocate(self, cache: list[KVCache], capacity: int) -> None:
-        shape = (1, self.spec.n_kv_heads, _round_up(capacity, KVCache.step), self.spec.head_dim)
+        """Room for positions up to `capacity` (a windowed layer: from its base on)."""
         for c in cache:
+            slots = _round_up(capacity - getattr(c, "base", 0), KVCache.step)
+            shape = (1, self.spec.n_kv_heads, slots, self.spec.head_dim)
             c.keys = mx.zeros(shape, _MX_DTYPES[self.dtype])
             c.values = mx.zeros(shape, _MX_DTYPES[self.dtype])
         mx.eval([(c.keys, c.values) for c in cache])
 
-    def new_cache(self, capacity: int) -> list[KVCache]:
-        cache = [_StreamingKVCache(i, None) for i in range(self.spec.n_layers)]
+    @property
+    def window_keep(self) -> tuple[int | None, ...]:
+        """What `new_cache(..., prompt_len=n)` keeps of each layer (spec.window_keep)."""
+        return self.spec.window_keep
+
+    def new_cache(self, capacity: int, *, prompt_len: int | None = None) -> list[KVCache]:
+        """Empty layers with room for `capacity` positions. `prompt_len`: the cache will be
+        filled with a prompt of that length (received or injected, not computed here), so a
+        sliding layer holds only the window's last positions of it, from its floor on."""
+        keep = self.window_keep if prompt_len else ()
+        cache = [_StreamingKVCache(i, None, window_floor(keep, i, prompt_len or 0))
+                 for i in range(self.spec.n_layers)]  # fmt: skip
         self._preallocate(cache, capacity)
         return cache
+
+    def reuse_floor(self, cache: list[KVCache]) -> int:
+        """The shortest prefix of `cache` a later request may reuse: a windowed layer must
+        still hold the window before it (0 when every layer holds every position)."""
+        keep = self.window_keep
+        return max((c.base + keep[i] for i, c in enumerate(cache) if c.base), default=0)
 
     def inject(self, cache: list[KVCache], kv: LayerKV) -> None:
         c = cache[kv.layer]
@@ -271,11 +315,12 @@ class MLXBackend:
                 f"layer {kv.layer}: piece starts at {kv.token_start}, cache at {c.offset}"
             )
         end = kv.token_start + kv.n_tokens
-        if c.keys is None or end > c.keys.shape[2]:
+        if c.keys is None or end - c.base > c.keys.shape[2]:
             raise ValueError(f"layer {kv.layer}: {end} positions exceed the preallocated cache")
         mx_dtype = _MX_DTYPES[self.dtype]
-        c.keys[..., kv.token_start : end, :] = from_numpy(kv.k, kv.dtype)[None].astype(mx_dtype)
-        c.values[..., kv.token_start : end, :] = from_numpy(kv.v, kv.dtype)[None].astype(mx_dtype)
+        a, b = kv.token_start - c.base, end - c.base
+        c.keys[..., a:b, :] = from_numpy(kv.k, kv.dtype)[None].astype(mx_dtype)
+        c.values[..., a:b, :] = from_numpy(kv.v, kv.dtype)[None].astype(mx_dtype)
         c.offset = end
         mx.eval(c.keys, c.values)
 
@@ -292,6 +337,10 @@ class MLXBackend:
                 mx.eval(k, v)
             out.append((np.array(k, copy=False)[0], np.array(v, copy=False)[0]))
         return out
+
+    def receive_bases(self, cache: list[KVCache]) -> list[int]:
+        """The position slot 0 of each layer's views holds (0; a windowed layer's floor)."""
+        return [c.base for c in cache]
 
     def receive_done(self, cache: list[KVCache], n_tokens: int) -> None:
         """The first `n_tokens` positions of every layer were written through the views."""
@@ -330,8 +379,8 @@ class MLXBackend:
     def export(self, cache: list[KVCache]) -> list[LayerKV]:
         out = []
         for i, c in enumerate(cache):
-            k, v = c.keys[0, :, : c.offset, :], c.values[0, :, : c.offset, :]
-            out.append(LayerKV(i, 0, to_numpy(k), to_numpy(v), self.dtype))
+            k, v = c.slots(c.base, c.offset)
+            out.append(LayerKV(i, c.base, to_numpy(k[0]), to_numpy(v[0]), self.dtype))
         return out
 
     def cache_len(self, cache: list[KVCache]) -> int:
@@ -341,8 +390,8 @@ class MLXBackend:
 
     def trim(self, cache: list[KVCache], n: int) -> None:
         for c in cache:
-            if n > c.offset:
-                raise ValueError(f"cannot trim a layer of {c.offset} positions to {n}")
+            if not c.base <= n <= c.offset:
+                raise ValueError(f"cannot trim a layer of positions [{c.base}, {c.offset}) to {n}")
             c.offset = n  # the bytes past it stay, to be overwritten by the next write
             if isinstance(c, _StreamingKVCache):
                 c.computed = [(e, t) for e, t in c.computed if e <= n]
@@ -352,22 +401,25 @@ class MLXBackend:
         would grow 256 positions at a time, a copy each)."""
         grew = []
         for c in cache:
-            if c.keys is not None and c.keys.shape[2] >= capacity:
+            held = c.offset - c.base  # slots in use
+            if c.keys is not None and c.keys.shape[2] >= capacity - c.base:
                 continue
             old = (c.keys, c.values)
             self._preallocate([c], capacity)
-            if old[0] is not None and c.offset:
-                c.keys[..., : c.offset, :] = old[0][..., : c.offset, :]
-                c.values[..., : c.offset, :] = old[1][..., : c.offset, :]
+            if old[0] is not None and held:
+                c.keys[..., :held, :] = old[0][..., :held, :]
+                c.values[..., :held, :] = old[1][..., :held, :]
             grew.append(c)
         if grew:
             mx.eval([(c.keys, c.values) for c in grew])
 
     def fork(self, cache: list[KVCache], n: int, capacity: int) -> list[KVCache]:
-        out = self.new_cache(max(capacity, n))
+        out = [_StreamingKVCache(i, None, c.base) for i, c in enumerate(cache)]
+        self._preallocate(out, max(capacity, n))
         for src, dst in zip(cache, out, strict=True):
-            dst.keys[..., :n, :] = src.keys[..., :n, :]
-            dst.values[..., :n, :] = src.values[..., :n, :]
+            k, v = src.slots(src.base, n)
+            dst.keys[..., : n - src.base, :] = k
+            dst.values[..., : n - src.base, :] = v
             dst.offset = n
         mx.eval([(c.keys, c.values) for c in out])  # no view of the source outlives this
         return out

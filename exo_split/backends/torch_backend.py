@@ -231,7 +231,10 @@ class TorchBackend:
             stager.abort()
             raise
 
-    def new_cache(self, capacity: int) -> PreallocatedCache:
+    window_keep: tuple[int | None, ...] = ()  # every layer holds every position
+
+    def new_cache(self, capacity: int, *, prompt_len: int | None = None) -> PreallocatedCache:
+        """`prompt_len` is accepted and ignored: this cache holds all of every layer."""
         shape = (self.spec.n_kv_heads, max(1, capacity), self.spec.head_dim)
         return PreallocatedCache(self.spec.n_layers, shape, _TORCH_DTYPES[self.dtype],
                                  self.torch_device, adopt=self.ops.adopt)  # fmt: skip

@@ -346,8 +346,11 @@ class Coordinator:
         """Pull the KV of [start, n) straight into `held` (which holds [0, start)) or a new
         cache; returns it filled. Raises one of PEER_FAILURES; then the partial cache is
         already dropped (a `held` one stays the caller's)."""
+        keep = ()  # a fresh cache keeps only the windows of sliding layers; a held one has all
         if held is None:
-            held = await self._run(self.backend.new_cache, capacity)
+            keep = getattr(self.backend, "window_keep", ())
+            windowed = {"prompt_len": len(ids)} if keep else {}
+            held = await self._run(self.backend.new_cache, capacity, **windowed)
         sink = await self._run(open_sink, self.backend, held)
         del held
         body = PrefillRequest(
@@ -362,10 +365,11 @@ class Coordinator:
             max_frame_bytes=self.max_frame_bytes,
             start=start,
             prefix_cache=req.prefix_cache,
+            keep=keep,
         ).to_json()
         spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
                                wire.WireDtype.from_name(self.backend.dtype), len(ids),
-                               self.max_frame_bytes, start)  # fmt: skip
+                               self.max_frame_bytes, start, keep)  # fmt: skip
         pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()

@@ -145,7 +145,14 @@ class _Frames:
         self._lock = threading.Lock()
 
     def add(self, kv: LayerKV, computed_at: float) -> None:
-        """One piece (or part of one), on the thread that computed it."""
+        """One piece (or part of one), on the thread that computed it. What lies before its
+        layer's floor (outside a sliding window the receiver keeps) is dropped here."""
+        inside = kv.since(self.plan.floor(kv.layer))
+        if inside is None:
+            if kv.release is not None:
+                kv.release()
+            return
+        kv = inside
         if self._piece is None or self._pos == self._piece[2] + self._piece[3]:
             index, (layer, start, n) = next(self._pieces, (None, (None, 0, 0)))
             if index is None:
@@ -285,7 +292,7 @@ async def stream_prefill(
     bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)
     chunks = streamed_chunks(k, compute, start) if req.overlap else (n - start,)
-    plan = wire.Plan(chunks, max(1, limit // bytes_per_token), spec.n_layers, start)
+    plan = wire.Plan(chunks, max(1, limit // bytes_per_token), spec.n_layers, start, req.keep)
     progress.total = spec.n_layers * len(compute)
     sender = FrameSender(conn.socket(timeout), on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)

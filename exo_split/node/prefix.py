@@ -39,6 +39,9 @@ class CacheOps(Protocol):
     def fork(self, cache: Any, n: int, capacity: int) -> Any: ...
     def cache_nbytes(self, cache: Any) -> int: ...
 
+    # Optional: reuse_floor(cache) -> int, the shortest prefix a cache can serve (a layer
+    # that keeps only a window must still hold the window before the next position).
+
 
 @dataclass(eq=False)
 class _Entry:
@@ -47,6 +50,7 @@ class _Entry:
     nbytes: int
     used: int  # LRU tick
     pins: int = 0  # copies in progress read it: not evictable meanwhile
+    floor: int = 0  # it serves prefixes of at least this many positions (sliding windows)
 
 
 @dataclass(eq=False)
@@ -89,10 +93,11 @@ class PrefixCache:
             self.stats["lookups"] += 1
             best, m = None, 0
             for e in self._entries:
-                k = common_prefix(e.tokens, want)
+                k = min(common_prefix(e.tokens, want), len(want) - 1)  # the last is computed
+                if k < e.floor:
+                    continue  # it lacks the window before position k
                 if k > m or (k == m and k and best is not None and e.used > best.used):
                     best, m = e, k
-            m = min(m, len(want) - 1)  # the last prompt position is always computed
             if best is None or m < MIN_REUSE:
                 return Checkout("none")
             self.stats["hits"] += 1
@@ -155,7 +160,8 @@ class PrefixCache:
                     and common_prefix(e.tokens, t) == len(e.tokens)
                 ):
                     self._remove(e)
-            self._entries.append(_Entry(t, cache, nbytes, next(self._tick)))
+            floor = getattr(self.ops, "reuse_floor", lambda c: 0)(cache)
+            self._entries.append(_Entry(t, cache, nbytes, next(self._tick), floor=floor))
             self.nbytes += nbytes
             self._evict_locked(self.nbytes - self.limit)
 

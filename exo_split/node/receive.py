@@ -32,14 +32,20 @@ class CacheViews:
     """The decode cache as a transport Destination: a frame's payload is 2 x n_kv_heads
     blocks, each [n_tokens, head_dim] of one head, contiguous in the cache."""
 
-    def __init__(self, views: Views):
+    def __init__(self, views: Views, bases: Sequence[int] | None = None):
         self.views = views
+        self.bases = list(bases) if bases is not None else [0] * len(views)
 
     def blocks(self, layer: int, token_start: int, n_tokens: int) -> Sequence[memoryview]:
+        """Where positions [token_start, +n_tokens) of `layer` land: slot = position - base
+        (a layer that keeps a window holds it from its base on)."""
         k, v = self.views[layer]
-        end = token_start + n_tokens
-        return [memoryview(a[h, token_start:end]).cast("B") for a in (k, v)
-                for h in range(a.shape[0])]  # fmt: skip
+        a = token_start - self.bases[layer]
+        if a < 0:
+            raise ProtocolError(f"layer {layer} holds positions from {self.bases[layer]}, "
+                                f"not {token_start}")  # fmt: skip
+        return [memoryview(x[h, a : a + n_tokens]).cast("B") for x in (k, v)
+                for h in range(x.shape[0])]  # fmt: skip
 
 
 def _addresses(views: Views) -> list[tuple[int, int]]:
@@ -62,7 +68,10 @@ class Sink:
         self.backend, self.cache = backend, cache
         self._views = views
         self.direct = views is not None
-        self.dest = CacheViews(views) if views is not None else None
+        bases = getattr(backend, "receive_bases", None)
+        self.dest = None
+        if views is not None:
+            self.dest = CacheViews(views, bases(cache) if bases is not None else None)
 
     def staging_bytes(self, max_frame_bytes: int) -> int:
         return 0 if self.direct else STAGED_FRAMES * max_frame_bytes

@@ -98,6 +98,11 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             )
         check_request(state.spec, len(req.token_ids), 1)
         check_token_ids(state.spec, req.token_ids)
+        if req.keep and req.keep != state.spec.window_keep:
+            raise ValueError(
+                f"keep must be this model's windows {list(state.spec.window_keep) or 'absent'}"
+                f", got {list(req.keep)}"
+            )
     except IncompatiblePeer as exc:
         return error(409, "incompatible", str(exc))
     except PromptTooLong as exc:

@@ -34,6 +34,9 @@ class PrefillRequest:
     # Positions [0, start) the decode side already holds: only [start, n) is streamed.
     start: int = 0
     prefix_cache: bool = True  # False: neither reuse nor keep a prefix on the prefill node
+    # Per layer, the last prompt positions the decode side keeps (sliding windows; None: all);
+    # empty: every position of every layer. The prefill node checks it against its spec.
+    keep: tuple[int | None, ...] = ()
 
     def to_json(self) -> dict:
         return {
@@ -49,7 +52,7 @@ class PrefillRequest:
             "max_frame_bytes": self.max_frame_bytes,
             "start": self.start,
             "prefix_cache": self.prefix_cache,
-        }
+        } | ({"keep": list(self.keep)} if self.keep else {})
 
     @classmethod
     def from_json(cls, body: Any, *, max_tokens: int) -> PrefillRequest:
@@ -83,7 +86,13 @@ class PrefillRequest:
         frame = body.get("max_frame_bytes")
         if frame is not None and (not isinstance(frame, int) or frame < 1):
             raise ValueError(f"max_frame_bytes must be a positive integer, got {frame!r}")
+        keep = body.get("keep", [])
+        if not isinstance(keep, list) or not all(
+            k is None or (type(k) is int and k >= 1) for k in keep
+        ):
+            raise ValueError(f"keep must be a list of positive integers or nulls, got {keep!r}")
         return cls(
+            keep=tuple(keep),
             max_frame_bytes=frame,
             dtype=dtype,
             request_id=str(body.get("request_id", ""))[:64],

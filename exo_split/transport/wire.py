@@ -38,6 +38,7 @@ from typing import Any
 
 from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ProtocolError
+from exo_split.kv import window_floor
 
 try:  # the same CRC-32 as zlib's, 3-5x faster, and it releases the GIL
     from isal.isal_zlib import crc32
@@ -163,6 +164,9 @@ class StreamSpec:
     prompt_len: int
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     start: int = 0
+    # Per layer, the prompt's last positions it keeps (a sliding window), None: all of them;
+    # empty: every layer keeps all. The receiver asks for it (PrefillRequest.keep).
+    keep: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = (self.n_layers, self.n_kv_heads, self.head_dim, self.prompt_len)
@@ -170,6 +174,10 @@ class StreamSpec:
             raise ValueError(f"invalid {self}: expected sizes >= 1 and a tensor dtype")
         if not 0 <= self.start < self.prompt_len:
             raise ValueError(f"invalid {self}: expected 0 <= start < prompt_len")
+        if self.keep and (
+            len(self.keep) != self.n_layers or not all(_keep_ok(k) for k in self.keep)
+        ):
+            raise ValueError(f"invalid {self}: keep must name every layer, each None or >= 1")
 
     @property
     def bytes_per_token(self) -> int:
@@ -200,6 +208,7 @@ class Plan:
     frame_tokens: int
     n_layers: int
     start: int = 0
+    keep: tuple[int | None, ...] = ()  # StreamSpec.keep: a sliding layer's pieces start later
 
     @property
     def prompt_len(self) -> int:
@@ -207,19 +216,26 @@ class Plan:
 
     @property
     def n_pieces(self) -> int:
-        return len(self.chunks) * self.n_layers
+        return sum(1 for _ in self.pieces())
 
     @property
     def n_frames(self) -> int:
-        per_layer = sum(-(-size // self.frame_tokens) for size in self.chunks)
-        return per_layer * self.n_layers
+        return sum(-(-n // self.frame_tokens) for _, _, n in self.pieces())
+
+    def floor(self, layer: int) -> int:
+        """The first position `layer` sends (its window's, for a layer that keeps a window)."""
+        return window_floor(self.keep, layer, self.prompt_len, self.start)
 
     def pieces(self) -> Iterator[tuple[int, int, int]]:
-        """(layer, token_start, n_tokens) of every piece, in stream order."""
+        """(layer, token_start, n_tokens) of every piece, in stream order: each chunk's part
+        at or after the layer's floor (a chunk wholly before a window sends nothing there)."""
+        floors = [self.floor(layer) for layer in range(self.n_layers)]
         start = self.start
         for size in self.chunks:
             for layer in range(self.n_layers):
-                yield layer, start, size
+                lo = max(start, floors[layer])
+                if lo < start + size:
+                    yield layer, lo, start + size - lo
             start += size
 
     def frames(self) -> Iterator[tuple[int, int, int, int]]:
@@ -240,6 +256,8 @@ class Plan:
             else:
                 runs.append([size, 1])
         out: dict[str, Any] = {"chunks": runs, "frame_tokens": self.frame_tokens}
+        if self.keep:
+            out["keep"] = list(self.keep)
         return out | {"start": self.start} if self.start else out
 
     @classmethod
@@ -263,8 +281,11 @@ class Plan:
         _require(
             ok, "HELLO plan frame_tokens", f"1..{most} ({spec.max_frame_bytes} B)", frame_tokens
         )
+        keep = obj.get("keep", [])
+        ok = isinstance(keep, list) and tuple(keep) == spec.keep
+        _require(ok, "HELLO plan keep", list(spec.keep) or "absent (every position)", keep)
         chunks = tuple(size for size, count in runs for _ in range(count))
-        return cls(chunks, frame_tokens, spec.n_layers, start)
+        return cls(chunks, frame_tokens, spec.n_layers, start, spec.keep)
 
 
 def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
@@ -275,6 +296,10 @@ def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _keep_ok(k: object) -> bool:
+    return k is None or (_is_int(k) and k >= 1)
 
 
 # ---- encoders --------------------------------------------------------------------------------
