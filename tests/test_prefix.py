@@ -294,3 +294,24 @@ def test_the_coordinator_judges_the_uncached_suffix_and_a_refused_request_gives_
     finally:
         compute.submit(backend.close).result()
         compute.shutdown()
+
+
+def test_a_take_never_takes_an_entry_a_copy_is_reading():
+    """Issue 18, M1: request A checks out a copy of an entry (pinned, its fork not yet
+    run); request B, which continues the entry, arrives meanwhile. B must copy too, not take
+    the entry's cache away from under A's fork (that was a 500: fork of None)."""
+    ops = FakeOps()
+    pc = PrefixCache(ops, limit_bytes=10**9)
+    turn1 = list(range(100))
+    run(pc, turn1, reply=[7, 8, 9], capacity=200)
+    a = pc.checkout(turn1[:60] + [999] * 10)  # shares 60: a copy
+    assert a.how == "copy" and a.entry.pins == 1
+    b = pc.checkout([*turn1, 7, 8, 9, 50])  # continues the entry: would be a take
+    assert b.how == "copy"
+    forked_a = pc.materialize(a, capacity=80)
+    forked_b = pc.materialize(b, capacity=120)
+    assert (forked_a.data[:60] == turn1[:60]).all()
+    assert (forked_b.data[:103] == [*turn1, 7, 8, 9]).all()
+    assert ops.forks == 2 and len(pc) == 1 and pc._entries[0].pins == 0
+    later = pc.checkout([*turn1, 7, 8, 9, 50])  # nothing reads it now: taken again
+    assert later.how == "take"

@@ -103,8 +103,11 @@ class PrefixCache:
             self.stats["hits"] += 1
             self.stats["tokens_reused"] += m
             best.used = next(self._tick)
-            # Taken only when the request continues the entry: it loses at most a little.
-            if len(best.tokens) - m <= min(self.take_slack, len(best.tokens) // 4):
+            # Taken only when the request continues the entry (it loses at most a little) and
+            # no copy is reading it: a take hands the entry's cache away, and a pinned copy
+            # in progress would then fork from nothing (issue 18, M1). Else it is copied.
+            continues = len(best.tokens) - m <= min(self.take_slack, len(best.tokens) // 4)
+            if continues and not best.pins:
                 self._remove(best)
                 self.stats["taken"] += 1
                 return Checkout("take", m, best)
