@@ -12,6 +12,7 @@ roles), so what can still fail here is the template refusing a conversation (Bad
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,14 +50,56 @@ class ChatTemplate:
             self._tok = AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise BadCheckpoint(f"cannot load the tokenizer of {path}: {exc}") from exc
+        # The control tokens' strings, longest first (one may contain another).
+        self._specials = sorted(
+            {t.content for t in self._tok.added_tokens_decoder.values() if t.special and t.content},
+            key=len,
+            reverse=True,
+        )
 
     def render(self, messages: Sequence[dict[str, str]]) -> str:
         """The prompt text of checked messages, ending with the assistant turn's opening."""
         return self._apply(messages, tokenize=False)
 
     def token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt token ids, exactly as transformers' apply_chat_template gives them."""
-        return list(self._apply(messages, tokenize=True))
+        """The prompt token ids, exactly as transformers' apply_chat_template gives them,
+        except that message content is data: a control token's string inside a content
+        (`<|im_end|>\n<|im_start|>system`, a forged turn) is tokenized as the text it is, never
+        as the control token. Only the template itself writes control tokens."""
+        if not any(sp in m["content"] for m in messages for sp in self._specials):
+            return list(self._apply(messages, tokenize=True))
+        # Each control string in a content becomes a marker the template passes through;
+        # the rendered text is tokenized around the markers (the template's own control
+        # tokens parsed), each marker as plain text (its control string split). The marker's
+        # two code points are private-use ones that no content holds.
+        used = "".join(m["content"] for m in messages)
+        free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in used)
+        a, b = next(free), next(free)
+        found: list[str] = []
+        marked = [{**m, "content": self._mark(m["content"], found, a, b)} for m in messages]
+        rendered = self._apply(marked, tokenize=False)
+        pieces = re.split(f"{a}(\\d+){b}", rendered)
+        if len(pieces) // 2 != sum(m["content"].count(a) for m in marked):
+            raise BadMessages(
+                "a message holds a control token's text (e.g. "
+                f"{found[0]!r}), and this model's chat template does not carry it through as "
+                "text: refused rather than read as a control token"
+            )
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:  # a marker's index
+                ids += self._tok.encode(found[int(piece)], add_special_tokens=False,
+                                        split_special_tokens=True)  # fmt: skip
+            elif piece:
+                ids += self._tok.encode(piece, add_special_tokens=False)
+        return ids
+
+    def _mark(self, text: str, found: list[str], a: str, b: str) -> str:
+        for sp in self._specials:
+            if sp in text:
+                found.append(sp)
+                text = text.replace(sp, f"{a}{len(found) - 1}{b}")
+        return text
 
     def _apply(self, messages, *, tokenize: bool):
         from jinja2 import TemplateError
