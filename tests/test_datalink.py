@@ -405,3 +405,59 @@ def test_a_peer_that_answers_the_data_connection_with_http_is_refused():
 
     with pytest.raises(ProtocolError, match="bad magic: expected b'EXOS', got b'HTTP'"):
         asyncio.run(run())
+
+
+def test_a_staging_ring_smaller_than_one_frame_still_streams(llama):
+    """Issue 18, M2: the real torch backend copying into a ring of 3 slots of 16 positions
+    (the GPU's path, on the CPU) while the decode side accepts 16 MiB frames. A frame waits
+    for all its parts and each part holds a slot, so a 300-position frame used to wait for a
+    slot its own parts held until the slot timeout. Frames are now capped at what the ring
+    can fill (2 slots' worth) and the KV arrives whole, equal to the backend's own."""
+    from exo_split.backends import load_backend
+
+    backend = load_backend("torch", llama)
+    spec, n = backend.spec, 300
+    per = 2 * spec.n_kv_heads * spec.head_dim * 4
+    backend.set_staging(3 * 16 * per, 3, copy=True)
+    backend.slot_timeout = 5.0  # a stall fails in seconds, not the default 10 minutes
+    assert backend.frame_positions_limit() == 32
+
+    class Dest:
+        k = [
+            np.zeros((spec.n_kv_heads, n, spec.head_dim), np.float32) for _ in range(spec.n_layers)
+        ]
+        v = [
+            np.zeros((spec.n_kv_heads, n, spec.head_dim), np.float32) for _ in range(spec.n_layers)
+        ]
+
+        def blocks(self, layer, start, m):
+            return [memoryview(a[layer][h, start : start + m]).cast("B")
+                    for a in (self.k, self.v) for h in range(spec.n_kv_heads)]  # fmt: skip
+
+    async def run():
+        async with prefill_node(backend) as (url, state):
+            stream = wire.StreamSpec(spec.n_layers, spec.n_kv_heads, spec.head_dim,
+                                     wire.WireDtype.float32, n, 16 << 20)  # fmt: skip
+            req = body(spec, n, max_frame_bytes=16 << 20)
+            async with aiohttp.ClientSession() as session:
+                return [f async for f in kv_stream(session, url, TOKEN, req, stream, TIMEOUTS,
+                                                   dest=dest)]  # fmt: skip
+
+    dest = Dest()
+    frames = asyncio.run(run())
+    layers = [f for f in frames if f.kind is wire.Kind.LAYER]
+    assert frames[-1].kind is wire.Kind.END and max(f.header.n_tokens for f in layers) == 32
+    ids = [3 + i % 500 for i in range(n)]
+    alone = load_backend("torch", llama)
+    for kv in alone.export(alone.prefill(ids).cache):
+        np.testing.assert_array_equal(dest.k[kv.layer], kv.k[:, :n])
+        np.testing.assert_array_equal(dest.v[kv.layer], kv.v[:, :n])
+    assert backend.ring.in_use == 0
+
+
+def test_a_copying_ring_needs_two_slots(llama):
+    from exo_split.backends import load_backend
+    from exo_split.errors import ExoSplitError
+
+    with pytest.raises(ExoSplitError, match="needs at least 2"):
+        load_backend("torch", llama).set_staging(1 << 20, 1, copy=True)

@@ -93,6 +93,12 @@ class TorchBackend:
         elif copy is False:
             raise ValueError("on CUDA every piece is copied to host memory: copy=False is not possible")  # fmt: skip
         slot_bytes = budget_bytes // max(1, slots)
+        if self.ops.copy and slots < 2:
+            raise ExoSplitError(
+                f"a staging ring of {slots} slot cannot overlap copying with sending: it needs "
+                "at least 2 (a frame may straddle two slots)",
+                hint="use the default of 4 slots",
+            )
         if self.ops.copy:
             per_token = self._bytes_per_token()
             if slot_bytes < per_token:
@@ -108,6 +114,17 @@ class TorchBackend:
 
     def _bytes_per_token(self) -> int:
         return 2 * self.spec.n_kv_heads * self.spec.head_dim * itemsize(self.dtype)
+
+    def frame_positions_limit(self) -> int | None:
+        """The most positions one wire frame may hold so that the ring can always fill it:
+        a frame waits for every part of it, each part holds a slot, so a frame larger than
+        the ring's slots would wait for a slot its own parts hold (until the slot timeout,
+        issue 18 M2). (slots - 1) slots' worth spans at most every slot, even when it does
+        not start on a slot's first position (a window's floor). None: no ring bound."""
+        per_slot = self._piece_tokens()
+        if per_slot is None:
+            return None
+        return (self.ring.n_slots - 1) * per_slot
 
     def _piece_tokens(self) -> int | None:
         """The most positions one piece holds: one ring slot's worth (None: no slots)."""

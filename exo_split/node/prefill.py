@@ -292,7 +292,11 @@ async def stream_prefill(
     bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)
     chunks = streamed_chunks(k, compute, start) if req.overlap else (n - start,)
-    plan = wire.Plan(chunks, max(1, limit // bytes_per_token), spec.n_layers, start, req.keep)
+    frame_tokens = max(1, limit // bytes_per_token)
+    ring_limit = getattr(backend, "frame_positions_limit", lambda: None)()
+    if ring_limit is not None:  # frames the staging ring can fill (docs/protocol.md)
+        frame_tokens = min(frame_tokens, ring_limit)
+    plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep)
     progress.total = spec.n_layers * len(compute)
     sender = FrameSender(conn.socket(timeout), on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)
