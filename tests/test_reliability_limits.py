@@ -250,3 +250,51 @@ def test_a_silent_generate_stream_gets_heartbeats(backends, ckpt, monkeypatch):
     assert code == 200 and kinds[-1] == "done"
     first_token = kinds.index("token")
     assert "heartbeat" in kinds[:first_token], kinds
+
+
+# ---- strangers on the port: descriptors are bounded (issue 18, H2) ---------------------------
+
+
+@pytest.mark.timeout(300)
+def test_300_idle_connections_cannot_starve_a_node_of_descriptors(ckpt, tmp_path):
+    """The prefill node runs under RLIMIT_NOFILE=256 (macOS's default soft limit; the MLX
+    node cannot be the one: mlx-lm raises its own soft limit to 2048 at import); 300
+    connections arrive that never send a request (half send nothing, half one byte, which
+    hands them to HTTP). Its /v1/health and a real split request through it still answer,
+    and every one of the 300 is closed, by the per-address cap (oldest first) or the header
+    deadline, without the test closing any."""
+    import socket
+
+    from nodes import NodeProcess, generate_sync, request
+
+    t = NodeProcess(ckpt, "torch", tmp_path, "--header-timeout", "3",
+                    prefix=["prlimit", "--nofile=256:256"])  # fmt: skip
+    m = NodeProcess(ckpt, "mlx", tmp_path)
+    socks: list[socket.socket] = []
+    try:
+        t.wait_ready(), m.wait_ready()
+        port = t.info["port"]
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if i % 2:
+                s.sendall(b"G")
+            socks.append(s)
+        status, body, _ = asyncio.run(request("GET", t.url + "/v1/health"))
+        assert status == 200, body
+        ids = prompt_ids(40, seed=5)
+        done = generate_sync(m.url, {"token_ids": ids, "max_tokens": 6, "prefill_peer": t.addr,
+                                     "fallback": "none"})  # fmt: skip
+        assert done["tokens"] == reference_generate(ckpt, ids, 6)
+        closed = 0
+        for s in socks:
+            s.settimeout(15)  # bounds the wait: the deadline is 3 s
+            try:
+                closed += s.recv(1) == b""
+            except ConnectionResetError:
+                closed += 1
+        assert closed == 300
+        assert t.proc.poll() is None and "Too many open files" not in t.log()
+    finally:
+        for s in socks:
+            s.close()
+        t.stop(), m.stop()

@@ -93,6 +93,14 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     ):
         g.add_argument(flag, type=seconds, default=default, metavar="S", help=f"{what} (s)")
     g.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=10.0,
+        metavar="S",
+        help="a new connection's time to send a whole HTTP request head or its KV ticket; "
+        "at most 32 such connections per address wait at once (default 10 s)",
+    )
+    g.add_argument(
         "--staging-bytes",
         type=size,
         metavar="SIZE",
@@ -162,6 +170,7 @@ def cmd_node(args) -> int:
         die_after_layer=int(die_after) if die_after else None,
         staging_bytes=args.staging_bytes,
         prefix_cache_bytes=args.prefix_cache_bytes,
+        header_timeout=args.header_timeout,
     )
     node = Node(config, progress=say)
     asyncio.run(node.serve())

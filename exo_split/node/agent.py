@@ -70,6 +70,7 @@ class NodeConfig:
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # finished requests' KV; 0: none
+    header_timeout: float = 10.0  # a connection's time to identify itself (datalink.Guard)
 
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
@@ -393,7 +394,8 @@ class Node:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         state = self.state()
-        listener = Listener(make_app(state), state.tickets, sniff_timeout=state.timeouts.idle)
+        listener = Listener(make_app(state), state.tickets,
+                            sniff_timeout=self.config.header_timeout)  # fmt: skip
         try:
             try:
                 port = await listener.start(self.config.host, self.config.port)

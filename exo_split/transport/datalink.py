@@ -12,6 +12,7 @@ stage and a sendmsg stage) so neither the event loop nor the compute thread copi
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -27,6 +28,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 clock = time.perf_counter
 
 TICKET_MAGIC = b"EXOD"
+KEEPALIVE_S = 15.0  # an idle HTTP connection is closed after this (aiohttp's default: 75 s)
 TICKET = struct.Struct("<4sI32s")  # magic, protocol version, the one-time ticket
 IOV_MAX = 512  # buffers per sendmsg (Linux and macOS allow 1024)
 
@@ -117,17 +120,17 @@ class Sniffer(asyncio.BufferedProtocol):
     data connection (TICKET_MAGIC) from HTTP; HTTP goes to aiohttp's protocol with those
     bytes, a data connection reads its ticket and goes to the handler waiting for it."""
 
-    def __init__(self, http: Callable[[], asyncio.Protocol], tickets: Tickets, timeout: float):
-        self.http, self.tickets, self.timeout = http, tickets, timeout
+    def __init__(self, http: Callable[[], asyncio.Protocol], tickets: Tickets,
+                 guard: Guard):  # fmt: skip
+        self.http, self.tickets, self.guard = http, tickets, guard
         self.transport: asyncio.Transport | None = None
         self.conn: DataConnection | None = None
         self._buf = bytearray(TICKET.size)
         self._n = 0
-        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self._timer = asyncio.get_running_loop().call_later(self.timeout, transport.abort)
+        self.guard.arrived(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.conn is not None:  # the receiver sends nothing after its ticket
@@ -150,7 +153,7 @@ class Sniffer(asyncio.BufferedProtocol):
 
     def _to_http(self) -> None:
         assert self.transport is not None
-        self._stop_timer()
+        # Still unidentified: the guard's deadline holds until aiohttp has a whole request.
         proto, transport = self.http(), self.transport
         self.transport = None  # aiohttp's from here on
         transport.set_protocol(proto)
@@ -159,7 +162,7 @@ class Sniffer(asyncio.BufferedProtocol):
 
     def _redeem(self) -> None:
         assert self.transport is not None
-        self._stop_timer()
+        self.guard.identified(self.transport)
         _, version, value = TICKET.unpack(self._buf)
         ticket = self.tickets.redeem(value) if version == PROTOCOL_VERSION else None
         if ticket is None or ticket.future.done():
@@ -176,28 +179,80 @@ class Sniffer(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_timer()
+        if self.transport is not None:
+            self.guard.identified(self.transport)  # gone: nothing to watch any more
         if self.conn is not None:
             self.conn.peer_left(f"the KV stream was lost ({exc or 'closed'})")
 
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+
+class Guard:
+    """Bounds the connections that have not said who they are (no complete HTTP request, no
+    valid ticket yet): each is closed `deadline` seconds after it arrived, and at most
+    `per_address` of one address and `total` of all wait at once; past those the oldest
+    waiting one is closed, so a new client always gets its chance. Without it one byte per
+    connection held a descriptor for an hour (issue 18, H2)."""
+
+    def __init__(self, deadline: float, *, per_address: int = 32, total: int = 128):
+        self.deadline, self.per_address, self.total = deadline, per_address, total
+        self._waiting: collections.OrderedDict[Any, tuple[str, asyncio.TimerHandle]] = (
+            collections.OrderedDict()
+        )
+        self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
+
+    def arrived(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        same = [t for t, (a, _) in self._waiting.items() if a == addr]
+        if len(same) >= self.per_address:
+            self._close(same[0])
+        if len(self._waiting) >= self.total:
+            self._close(next(iter(self._waiting)))
+        timer = asyncio.get_running_loop().call_later(self.deadline, self._close, transport)
+        self._waiting[transport] = (addr, timer)
+
+    def identified(self, transport) -> None:
+        entry = self._waiting.pop(transport, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _close(self, transport) -> None:
+        entry = self._waiting.pop(transport, None)
+        if entry is None:
+            return
+        entry[1].cancel()
+        if not transport.is_closing():
+            self.closed += 1
+            transport.abort()
 
 
 class Listener:
     """An aiohttp app and the KV data connections, served on one TCP port."""
 
     def __init__(self, app: web.Application, tickets: Tickets, *, sniff_timeout: float = 30.0,
-                 shutdown_timeout: float = 5.0):  # fmt: skip
-        self.runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
-        self.tickets, self.sniff_timeout = tickets, sniff_timeout
+                 shutdown_timeout: float = 5.0, keepalive: float = KEEPALIVE_S,
+                 guard: Guard | None = None):  # fmt: skip
+        # `sniff_timeout`: how long a connection may take to send a whole HTTP request's
+        # head or its ticket; `keepalive`: how long an idle HTTP connection stays open.
+        self.guard = guard or Guard(sniff_timeout)
+        app.middlewares.append(self._identify)  # a whole request arrived: not a stranger
+        self.runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout,
+                                    keepalive_timeout=keepalive)  # fmt: skip
+        self.tickets = tickets
         self.server: asyncio.Server | None = None
         self._sniffers: weakref.WeakSet[Sniffer] = weakref.WeakSet()
 
+    @web.middleware
+    async def _identify(self, request: web.Request, handler):
+        if request.transport is not None:
+            self.guard.identified(request.transport)
+        return await handler(request)
+
     def _sniffer(self, http: Callable[[], asyncio.Protocol]) -> Sniffer:
-        sniffer = Sniffer(http, self.tickets, self.sniff_timeout)
+        sniffer = Sniffer(http, self.tickets, self.guard)
         self._sniffers.add(sniffer)
         return sniffer
 
