@@ -461,3 +461,47 @@ def test_a_copying_ring_needs_two_slots(llama):
 
     with pytest.raises(ExoSplitError, match="needs at least 2"):
         load_backend("torch", llama).set_staging(1 << 20, 1, copy=True)
+
+
+def test_a_receiver_gone_before_the_stream_takes_no_prefix_entry(llama):
+    """Issue 18, L5: a data connection that closed between its ticket and the stream (its
+    descriptor already -1) used to fail after the prefix checkout: a taken entry was lost and
+    a copied one stayed pinned, never evictable. Now the socket comes first: ClientGone, and
+    the entry is still there, unpinned."""
+    from exo_split.backends import load_backend
+    from exo_split.node.prefix import PrefixCache
+    from exo_split.transport.server import ClientGone
+
+    backend = load_backend("torch", llama)
+    prefix = PrefixCache(backend, limit_bytes=1 << 30)
+    ids = [3 + i % 500 for i in range(64)]
+    prefix.put(ids, backend.prefill(ids).cache)
+
+    class Closed:  # a DataConnection whose transport has gone
+        lost = threading.Event()
+        on_lost: list = []
+
+        def socket(self, timeout):
+            raise ConnectionAbortedError("the data connection closed before the stream began")
+
+    req = PrefillRequest(request_id="t", token_ids=(*ids, 9, 9, 9))
+    with ThreadPoolExecutor(1) as executor, pytest.raises(ClientGone, match="left before"):
+        asyncio.run(stream_prefill(backend, executor, req, Closed(), hello={}, prefix=prefix))
+    assert (
+        len(prefix) == 1 and prefix._entries[0].pins == 0 and prefix._entries[0].cache is not None
+    )
+    assert prefix.checkout([*ids, 9, 9, 9]).how == "take"  # still there to be taken
+
+
+def test_a_closed_transport_gives_no_socket():
+    from exo_split.transport.datalink import DataConnection
+
+    class Transport:
+        def get_extra_info(self, name):
+            return None  # what asyncio answers once the socket is gone
+
+        def is_closing(self):
+            return True
+
+    with pytest.raises(ConnectionAbortedError, match="closed before the stream began"):
+        DataConnection(Transport()).socket(1.0)

@@ -284,6 +284,10 @@ async def stream_prefill(
     progress = progress or Progress()
     n, spec, start = len(req.token_ids), backend.spec, req.start
     dtype = wire.WireDtype.from_name(req.dtype or backend.dtype)
+    try:  # before the prefix checkout: a receiver already gone takes nothing with it
+        sock = conn.socket(timeout)
+    except ConnectionError as exc:
+        raise ClientGone(f"the receiver left before the stream began ({exc})") from exc
     # Our own longest cached prefix k: only [k, n) is computed, only [start, n) streamed.
     reuse = prefix if req.prefix_cache else None
     checkout = reuse.checkout(req.token_ids) if reuse is not None else Checkout("none")
@@ -298,7 +302,7 @@ async def stream_prefill(
         frame_tokens = min(frame_tokens, ring_limit)
     plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep)
     progress.total = spec.n_layers * len(compute)
-    sender = FrameSender(conn.socket(timeout), on_error=lambda exc: progress.cancel())
+    sender = FrameSender(sock, on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)
     if conn.lost.is_set():  # it left before we listened
         progress.cancel()

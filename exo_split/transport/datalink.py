@@ -96,8 +96,13 @@ class DataConnection:
         self.on_lost: list[Callable[[], None]] = []
 
     def socket(self, timeout: float) -> socket.socket:
+        """A blocking socket of our own (a dup) for the send threads. ConnectionError when
+        the connection closed before we got here (its descriptor is then -1)."""
         raw = self.transport.get_extra_info("socket")
-        sock = socket.socket(fileno=os.dup(raw.fileno()))
+        fd = raw.fileno() if raw is not None else -1
+        if fd < 0 or self.transport.is_closing():
+            raise ConnectionAbortedError("the data connection closed before the stream began")
+        sock = socket.socket(fileno=os.dup(fd))
         sock.settimeout(timeout)
         return sock
 
