@@ -505,3 +505,47 @@ def test_a_closed_transport_gives_no_socket():
 
     with pytest.raises(ConnectionAbortedError, match="closed before the stream began"):
         DataConnection(Transport()).socket(1.0)
+
+
+def test_a_ticket_is_redeemed_only_from_the_address_that_asked_for_it():
+    """Issue 18, L8: a ticket read off the wire is no use from another address, and such an
+    attempt does not burn it for its owner."""
+    from exo_split.transport.datalink import Tickets
+
+    async def run():
+        tickets = Tickets()
+        t = tickets.issue("10.0.0.7")
+        assert tickets.redeem(t.value, "10.0.0.99") is None
+        assert tickets.redeem(t.value, None) is None
+        assert len(tickets) == 1
+        assert tickets.redeem(t.value, "10.0.0.7") is t and len(tickets) == 0
+        assert tickets.redeem(t.value, "10.0.0.7") is None  # single use
+
+    asyncio.run(run())
+
+
+def test_a_probe_reader_that_stops_reading_is_cut_off(monkeypatch):
+    """Issue 18, L8: GET /v1/probe of 64 MiB read by nobody ends within its write timeout
+    (here 1 s) instead of holding the handler for as long as the reader likes."""
+    from exo_split.transport import server
+
+    monkeypatch.setattr(server, "PROBE_WRITE_TIMEOUT_S", 1.0)
+    backend = SourceBackend(2, 1, 4)
+
+    async def run():
+        async with prefill_node(backend) as (url, state):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"GET /v1/probe?bytes={64 << 20} HTTP/1.1\r\nHost: x\r\n"
+                         f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())  # fmt: skip
+            await writer.drain()
+            await asyncio.sleep(3)  # read nothing meanwhile: the socket buffers fill
+            got = 0
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), 10):
+                got += len(chunk)
+            writer.close()
+            async with aiohttp.ClientSession() as s, s.get(f"{url}/v1/health") as resp:
+                return got, resp.status
+
+    got, status = asyncio.run(run())
+    assert got < 64 << 20 and status == 200  # cut off, and the node serves on

@@ -156,7 +156,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
 async def _admit(request: web.Request, state: NodeState) -> tuple[web.Response, Any]:
     """Answer 200 with a one-time ticket, then wait (--connect-timeout) for the data
     connection that redeems it: (the answer, the DataConnection or None if none came)."""
-    ticket = state.tickets.issue()
+    ticket = state.tickets.issue(request.remote)
     resp = web.json_response(
         {"protocol": PROTOCOL_VERSION, "ticket": ticket.hex, "expires_s": state.timeouts.connect}
     )

@@ -50,6 +50,7 @@ class Ticket:
 
     value: bytes = field(repr=False)
     future: asyncio.Future = field(repr=False)
+    address: str | None = None  # who asked for it: only a connection from there redeems it
 
     @property
     def hex(self) -> str:
@@ -63,16 +64,21 @@ class Tickets:
     def __init__(self) -> None:
         self._open: dict[bytes, Ticket] = {}
 
-    def issue(self) -> Ticket:
+    def issue(self, address: str | None = None) -> Ticket:
         value = secrets.token_bytes(32)
-        ticket = Ticket(value, asyncio.get_running_loop().create_future())
+        ticket = Ticket(value, asyncio.get_running_loop().create_future(), address)
         self._open[hashlib.sha256(value).digest()] = ticket
         return ticket
 
-    def redeem(self, value: bytes) -> Ticket | None:
+    def redeem(self, value: bytes, address: str | None = None) -> Ticket | None:
+        """The ticket, used up; None for an unknown one, or one presented from another
+        address than the one it was issued to (issue 18, L8: a ticket seen on the wire is
+        no use elsewhere, and it stays open for its owner)."""
         key = hashlib.sha256(value).digest()
         ticket = self._open.get(key)
         if ticket is None or not hmac.compare_digest(ticket.value, value):
+            return None
+        if ticket.address is not None and ticket.address != address:
             return None
         del self._open[key]
         return ticket
@@ -169,7 +175,9 @@ class Sniffer(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.guard.identified(self.transport)
         _, version, value = TICKET.unpack(self._buf)
-        ticket = self.tickets.redeem(value) if version == PROTOCOL_VERSION else None
+        peer = self.transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        ticket = self.tickets.redeem(value, address) if version == PROTOCOL_VERSION else None
         if ticket is None or ticket.future.done():
             log.info("refused a data connection: %s", "unknown or used ticket"
                      if version == PROTOCOL_VERSION else f"protocol version {version}")  # fmt: skip

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.02  # how often a streaming handler checks that its client is still there
 PROBE_MAX_BYTES = 64 * 1024 * 1024
+PROBE_WRITE_TIMEOUT_S = 30.0  # 64 MiB at 20 Mbit/s; a probe is a few MiB
 _PROBE_CHUNK = memoryview(bytes(1024 * 1024))
 
 
@@ -229,11 +230,20 @@ async def probe(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     resp.content_length = n
     await resp.prepare(request)
-    while n > 0:
-        piece = _PROBE_CHUNK[: min(n, len(_PROBE_CHUNK))]
-        await resp.write(piece)
-        n -= len(piece)
-    await resp.write_eof()
+
+    async def send(n: int) -> None:
+        while n > 0:
+            piece = _PROBE_CHUNK[: min(n, len(_PROBE_CHUNK))]
+            await resp.write(piece)
+            n -= len(piece)
+        await resp.write_eof()
+
+    try:  # a reader that stops reading holds the handler no longer than this (issue 18, L8)
+        await asyncio.wait_for(send(n), PROBE_WRITE_TIMEOUT_S)
+    except (asyncio.TimeoutError, TimeoutError):
+        log.info("GET /v1/probe: the reader took over %g s; closed", PROBE_WRITE_TIMEOUT_S)
+        if request.transport is not None:
+            request.transport.abort()
     return resp
 
 
