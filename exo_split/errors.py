@@ -32,6 +32,10 @@ class PeerUnavailable(ExoSplitError):
     """A peer could not be reached, refused the request, or died mid-stream."""
 
 
+class UntrustedPeer(PeerUnavailable):
+    """A peer that could not prove it holds the shared token: nothing is sent to it."""
+
+
 class AuthError(ExoSplitError):
     """A request carried no token or the wrong one."""
 

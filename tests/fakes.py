@@ -32,6 +32,7 @@ from nodes import TOKEN, open_kv_stream
 
 from exo_split import PROTOCOL_VERSION
 from exo_split.transport import wire
+from exo_split.transport.auth import Nonces, client_proof, parse_proof, server_proof
 from exo_split.transport.datalink import DataConnection, Listener, Tickets
 
 TICKETS = web.AppKey("tickets", Tickets)
@@ -52,6 +53,7 @@ class Served:
 class FakePrefillPeer:
     def __init__(self, token: str = TOKEN):
         self.token = token
+        self.nonces = Nonces()
         self.plans: deque[Callable] = deque()  # one per request, in order; else `default`
         self.default: Callable | None = None
         self.served: list[Served] = []
@@ -66,6 +68,7 @@ class FakePrefillPeer:
 
     async def _start(self) -> int:
         app = web.Application()
+        app.router.add_get("/v1/hello", self._hello)
         app.router.add_post("/v1/prefill", self._prefill)
         app[TICKETS] = Tickets()
         self._listener = Listener(app, app[TICKETS], shutdown_timeout=0.5)
@@ -85,8 +88,22 @@ class FakePrefillPeer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    async def _hello(self, request: web.Request) -> web.Response:
+        """The peer proof a node gives (transport/auth.py): this fake holds the token."""
+        nc, ns = request.query.get("nonce", ""), self.nonces.issue()
+        return web.json_response({"nonce": ns, "proof": server_proof(self.token, nc, ns)})
+
+    async def _authorized(self, request: web.Request) -> bool:
+        proof = parse_proof(request.headers.get("Authorization"))
+        if proof is None:
+            return request.headers.get("Authorization") == f"Bearer {self.token}"
+        body = await request.read()
+        want = client_proof(self.token, proof["nc"], proof["ns"], request.method,
+                            request.raw_path, body)  # fmt: skip
+        return self.nonces.take(proof["ns"]) and proof["mac"] == want
+
     async def _prefill(self, request: web.Request) -> web.StreamResponse:
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+        if not await self._authorized(request):
             return web.json_response({"code": "unauthorized", "message": "no"}, status=401)
         served = Served(await request.json(), started=asyncio.get_running_loop().time())
         self.served.append(served)
@@ -158,8 +175,8 @@ def proxy(real_url: str, record: list[bytes]) -> Callable:
         resp, conn = await _admit(request)
         if conn is None:
             return resp
-        code, reader, writer = await open_kv_stream(real_url, served.body,
-                                                    request.headers["Authorization"])  # fmt: skip
+        # The client's proof is bound to this fake's nonce: the proxy speaks for itself.
+        code, reader, writer = await open_kv_stream(real_url, served.body)
         assert code == 200, reader
         got = bytearray()
         while chunk := await reader.read(65536):

@@ -28,7 +28,7 @@ from exo_split.backends.base import DecodeStats
 from exo_split.errors import PeerUnavailable
 from exo_split.node.policy import LinkEstimate
 from exo_split.sampling import GREEDY
-from exo_split.transport.client import auth_headers
+from exo_split.transport.client import peer_headers
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -221,13 +221,13 @@ async def probe_link(
     """Time the link to a peer: the round trip of a 1-byte GET /v1/probe (on a connection
     already open, so connecting is not counted), then the rate of an `nbytes` one, from its
     first body byte to its last. PeerUnavailable if the peer does not answer in `timeout`."""
-    headers = auth_headers(token)
 
     async def get(n: int) -> tuple[float, float | None, int, float]:
+        target = f"/v1/probe?bytes={n}"
+        headers = await peer_headers(session, base_url, token, "GET", target, timeout=timeout)
         t0 = clock()
         async with session.get(
-            f"{base_url}/v1/probe",
-            params={"bytes": str(n)},
+            f"{base_url}{target}",
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:

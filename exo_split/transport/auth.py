@@ -7,12 +7,14 @@ and says how to copy it to the other machine.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import stat
+import time
 from pathlib import Path
 
 from exo_split.errors import ExoSplitError
@@ -100,3 +102,100 @@ def bearer(header: str | None) -> str | None:
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
     return None
+
+
+# ---- peer proofs: each side shows it holds the token without sending it (issue 18, H1) ----
+#
+#   client                                   server
+#   GET /v1/hello?nonce=NC           ->
+#                                    <-      {"nonce": NS, "proof": MAC(server | NC | NS)}
+#   checks the proof: the server holds the token (else it sends it nothing at all)
+#   METHOD TARGET, Authorization: ExoProof nc=NC, ns=NS, mac=MAC(client | NC | NS | METHOD |
+#   TARGET | sha256(body))           ->      checks the MAC; NS is single-use, short-lived
+#
+# MAC is HMAC-SHA256 keyed by the token; the two labels keep a server's proofs (which anyone
+# may ask for) from ever serving as a client's. What travels is nonces and MACs: a device
+# that is not a node learns nothing it could replay or use to read the token, except by
+# guessing it offline from a MAC, which a generated token (256 bits) makes hopeless.
+
+PROOF_SCHEME = "ExoProof"
+NONCE_HEX = 32  # 128-bit nonces, hex
+_SERVER, _CLIENT = b"exo-split/1 server proof", b"exo-split/1 client proof"
+
+
+def _mac(token: str, label: bytes, *parts: str) -> str:
+    msg = b"\0".join([label, *(p.encode("utf-8", "surrogatepass") for p in parts)])
+    return hmac.new(token.encode("utf-8", "surrogatepass"), msg, hashlib.sha256).hexdigest()
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_HEX // 2)
+
+
+def is_nonce(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == NONCE_HEX
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def server_proof(token: str, client_nonce: str, server_nonce: str) -> str:
+    return _mac(token, _SERVER, client_nonce, server_nonce)
+
+
+def client_proof(token: str, client_nonce: str, server_nonce: str, method: str, target: str,
+                 body: bytes) -> str:  # fmt: skip
+    """`target`: the path with its query string, as the request line carries it."""
+    digest = hashlib.sha256(body).hexdigest()
+    return _mac(token, _CLIENT, client_nonce, server_nonce, method.upper(), target, digest)
+
+
+def proof_header(token: str, client_nonce: str, server_nonce: str, method: str, target: str,
+                 body: bytes = b"") -> str:  # fmt: skip
+    mac = client_proof(token, client_nonce, server_nonce, method, target, body)
+    return f"{PROOF_SCHEME} nc={client_nonce}, ns={server_nonce}, mac={mac}"
+
+
+def parse_proof(header: str | None) -> dict[str, str] | None:
+    """{'nc', 'ns', 'mac'} of an `Authorization: ExoProof ...` header; None otherwise."""
+    scheme, _, rest = (header or "").partition(" ")
+    if scheme != PROOF_SCHEME:
+        return None
+    fields = dict(part.strip().partition("=")[::2] for part in rest.split(","))
+    if set(fields) != {"nc", "ns", "mac"} or not (
+        is_nonce(fields["nc"]) and is_nonce(fields["ns"])
+    ):
+        return None
+    return fields
+
+
+class Nonces:
+    """The server nonces a node has handed out and not yet seen used: each good once, for
+    `ttl` seconds; at most `most` outstanding (the oldest go first), so asking for them
+    costs a stranger's memory nothing it can grow."""
+
+    def __init__(self, ttl: float = 30.0, most: int = 4096, clock=time.monotonic):
+        self.ttl, self.most, self.clock = ttl, most, clock
+        self._open: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def issue(self) -> str:
+        self._expire()
+        while len(self._open) >= self.most:
+            self._open.popitem(last=False)
+        nonce = new_nonce()
+        self._open[nonce] = self.clock() + self.ttl
+        return nonce
+
+    def take(self, nonce: str) -> bool:
+        """Whether `nonce` was handed out, unused and fresh; it is used up either way."""
+        self._expire()
+        return self._open.pop(nonce, None) is not None
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._open and next(iter(self._open.values())) < now:
+            self._open.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._open)

@@ -8,6 +8,7 @@ IncompatiblePeer, ProtocolError) whose message says which peer and what happened
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,8 +26,10 @@ from exo_split.errors import (
     PeerBusy,
     PeerUnavailable,
     ProtocolError,
+    UntrustedPeer,
 )
 from exo_split.transport import wire
+from exo_split.transport.auth import is_nonce, new_nonce, proof_header, server_proof
 from exo_split.transport.datalink import TICKET, TICKET_MAGIC
 from exo_split.transport.decoder import Destination, Frame, FrameDecoder, ThreadCrc
 
@@ -56,8 +59,33 @@ class Timeouts:
         }
 
 
-def auth_headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
+async def peer_headers(
+    session: aiohttp.ClientSession, base_url: str, token: str | None, method: str,
+    target: str, body: bytes = b"", *, timeout: float = 5.0,
+) -> dict[str, str]:  # fmt: skip
+    """The Authorization of one request to a peer, once the peer has proven that it holds
+    the token (GET /v1/hello, transport/auth.py); the token itself never travels. A peer
+    that cannot prove it (a stranger advertising itself on the LAN, an older exo-split) is
+    UntrustedPeer, and nothing else was sent to it."""
+    if not token:
+        return {}
+    nc = new_nonce()
+    with _client_errors(base_url, "GET /v1/hello"):
+        async with session.get(
+            f"{base_url}/v1/hello?nonce={nc}", timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            answer = await resp.json(content_type=None) if resp.status == 200 else None
+    ns = answer.get("nonce") if isinstance(answer, dict) else None
+    proof = answer.get("proof") if isinstance(answer, dict) else None
+    if not (is_nonce(ns) and isinstance(proof, str)
+            and hmac.compare_digest(proof, server_proof(token, nc, ns))):  # fmt: skip
+        raise UntrustedPeer(
+            f"{base_url} did not prove that it holds the shared token (GET /v1/hello): "
+            "nothing was sent to it",
+            hint="a device that only advertises itself, or a node with another token or an "
+            "older exo-split",
+        )
+    return {"Authorization": proof_header(token, nc, ns, method, target, body)}
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, peer: str) -> None:
@@ -118,10 +146,11 @@ async def fetch_info(
     session: aiohttp.ClientSession, base_url: str, token: str | None, *, timeout: float = 5.0
 ) -> dict[str, Any]:
     """GET /v1/info of a node."""
+    headers = await peer_headers(session, base_url, token, "GET", "/v1/info", timeout=timeout)
     with _client_errors(base_url, "GET /v1/info"):
         async with session.get(
             f"{base_url}/v1/info",
-            headers=auth_headers(token),
+            headers=headers,
             timeout=aiohttp.ClientTimeout(total=timeout),
         ) as resp:
             await _raise_for_status(resp, base_url)
@@ -250,11 +279,16 @@ async def kv_stream(
     timeout = aiohttp.ClientTimeout(
         total=None, connect=timeouts.connect, sock_connect=timeouts.connect
     )
+    data = json.dumps(body).encode()
+    headers = await asyncio.wait_for(
+        peer_headers(session, base_url, token, "POST", "/v1/prefill", data,
+                     timeout=timeouts.connect),
+        timeout=timeouts.first_frame,
+    )  # fmt: skip
+    headers["Content-Type"] = "application/json"
     with _client_errors(base_url, "POST /v1/prefill"):
         resp = await asyncio.wait_for(
-            session.post(
-                f"{base_url}/v1/prefill", json=body, headers=auth_headers(token), timeout=timeout
-            ),
+            session.post(f"{base_url}/v1/prefill", data=data, headers=headers, timeout=timeout),
             timeout=timeouts.first_frame,
         )
         try:
@@ -342,9 +376,13 @@ async def generate_events(
 ) -> AsyncIterator[dict]:
     """POST /v1/generate on the decode node and yield its NDJSON events."""
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.idle)
+    data = json.dumps(body).encode()
+    headers = await peer_headers(session, base_url, token, "POST", "/v1/generate", data,
+                                 timeout=timeouts.connect)  # fmt: skip
+    headers["Content-Type"] = "application/json"
     with _client_errors(base_url, "POST /v1/generate"):
         async with session.post(
-            f"{base_url}/v1/generate", json=body, headers=auth_headers(token), timeout=timeout
+            f"{base_url}/v1/generate", data=data, headers=headers, timeout=timeout
         ) as resp:
             await _raise_for_status(resp, base_url)
             pending = b""

@@ -11,6 +11,7 @@ connection and cancels the work when the client drops (docs/reliability.md).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -19,7 +20,16 @@ from typing import Any
 
 from aiohttp import web
 
-from exo_split.transport.auth import bearer, token_matches
+from exo_split.transport.auth import (
+    NONCE_HEX,
+    Nonces,
+    bearer,
+    client_proof,
+    is_nonce,
+    parse_proof,
+    server_proof,
+    token_matches,
+)
 from exo_split.transport.client import Timeouts
 from exo_split.transport.datalink import Tickets
 from exo_split.transport.limits import KVLedger, Limits, Refused
@@ -42,6 +52,7 @@ class ServerState:
     busy: dict = field(default_factory=dict)  # requests in progress, by kind
     stats: dict = field(default_factory=dict)  # counters shown in /v1/info
     tickets: Tickets = field(default_factory=Tickets)  # admitted prefills' data connections
+    nonces: Nonces = field(default_factory=Nonces)  # handed out by /v1/hello (peer proofs)
     ledger: KVLedger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -52,7 +63,7 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
-PUBLIC_PATHS = frozenset({"/v1/health"})  # answered without a token
+PUBLIC_PATHS = frozenset({"/v1/health", "/v1/hello"})  # answered without a token
 HEARTBEAT_S = 5.0  # a stream silent this long gets a heartbeat (a long prefill)
 
 ErrorBody = Callable[[int, str, str], Any]  # (status, code, message) -> the JSON error body
@@ -94,7 +105,7 @@ async def auth_middleware(request: web.Request, handler):
     if request.path in PUBLIC_PATHS:
         return await handler(request)
     state = request.app[STATE]
-    if not token_matches(bearer(request.headers.get("Authorization")), state.token):
+    if not await _authorized(request, state):
         log.info("refused %s %s from %s: missing or wrong token", request.method,
                  request.path, request.remote)  # fmt: skip
         return error(
@@ -108,6 +119,32 @@ async def auth_middleware(request: web.Request, handler):
         return await handler(request)
     except Refused as exc:  # raised before the 200 by Slot and KVLedger.hold
         return refusal_response(exc, _error_body_of(request))
+
+
+async def _authorized(request: web.Request, state: ServerState) -> bool:
+    """A peer's proof (ExoProof: a MAC over a nonce this node handed out and the request
+    itself) or a client's `Bearer <token>`."""
+    header = request.headers.get("Authorization")
+    proof = parse_proof(header)
+    if proof is None:
+        return token_matches(bearer(header), state.token)
+    if not state.nonces.take(proof["ns"]):  # unknown, used or stale
+        return False
+    body = await request.read()
+    want = client_proof(state.token, proof["nc"], proof["ns"], request.method,
+                        request.raw_path, body)  # fmt: skip
+    return hmac.compare_digest(proof["mac"], want)
+
+
+async def hello(request: web.Request) -> web.Response:
+    """GET /v1/hello?nonce=NC: this node's proof that it holds the token, over the caller's
+    nonce and a fresh one of its own (transport/auth.py). Public: it discloses nothing."""
+    state = request.app[STATE]
+    nc = request.query.get("nonce", "")
+    if not is_nonce(nc):
+        return error(400, "bad_request", f"nonce must be {NONCE_HEX} lowercase hex digits")
+    ns = state.nonces.issue()
+    return web.json_response({"nonce": ns, "proof": server_proof(state.token, nc, ns)})
 
 
 async def json_body(request: web.Request) -> Any:
@@ -252,5 +289,6 @@ def base_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=8 * 1024 * 1024)
     app[STATE] = state
     app.router.add_get("/v1/health", health)
+    app.router.add_get("/v1/hello", hello)
     app.router.add_get("/v1/probe", probe)
     return app
