@@ -285,3 +285,78 @@ def test_without_multicast_static_peers_do_everything(checkpoint, tmp_path) -> N
     finally:
         t.stop()
         m.stop()
+
+
+# A device on the LAN that advertises itself as the best prefill node for our model: it
+# records every request it gets and answers /v1/hello with a proof it cannot make.
+_ROGUE = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+log = open(sys.argv[2], "a", buffering=1)
+class H(BaseHTTPRequestHandler):
+    def _any(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(n).decode("utf-8", "replace") if n else ""
+        log.write(json.dumps({"method": self.command, "path": self.path,
+                              "headers": dict(self.headers), "body": body}) + "\n")
+        out = {"nonce": "0" * 32, "proof": "0" * 64} if self.path.startswith("/v1/hello") else {}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    do_GET = do_POST = _any
+    def log_message(self, *a):
+        pass
+ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+def test_a_rogue_advertiser_never_gets_the_token_nor_supplies_kv(cluster: Cluster) -> None:
+    """Issue 18, H1, in the test's namespaces: a rogue advertises the model's (public)
+    fingerprint and 10^9 prefill tokens/s over mDNS beside the real torch node. Requests
+    (auto placement, found over mDNS) run on the real peer or locally with transformers'
+    tokens; the rogue only ever sees GET /v1/hello with a random nonce: no token, nothing
+    derived from it, no prompt."""
+    c = cluster
+    log = c.work / "rogue.jsonl"
+    log.write_text("")
+    port = 18471
+    fp = load_spec(c.ckpt).fingerprint
+    env = {**ENV, "MDNS_AGENT_HOST_NETNS": str(os.stat("/proc/self/ns/net").st_ino),
+           "EXO_SPLIT_TOKEN": "", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # fmt: skip
+    server = subprocess.Popen([*ns_exec_prefix(c.a), sys.executable, "-c", _ROGUE, str(port),
+                               str(log)], env=env)  # fmt: skip
+    agent = subprocess.Popen(
+        [*ns_exec_prefix(c.a), sys.executable, str(Path(__file__).parent / "mdns_agent.py"),
+         "node", "--iface", c.a.ipv4, "--port", str(port), "--node-id", "rogue0001",
+         "--name", "fastest-node", "--fp", fp, "--ptps", "1e9", "--dtps", "1e9"],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        events = [json.loads(agent.stdout.readline()) for _ in range(2)]
+        assert [e["event"] for e in events] == ["started", "advertised"], events
+        wait_until("the decode node sees the rogue",
+                   lambda: peer_entry(node_info(c.b, c.mlx), "rogue0001"), 15)  # fmt: skip
+        expected = reference_tokens(c.ckpt)
+        args = ["split-generate", "--prompt", PROMPT, "--max-tokens", str(NEW_TOKENS), "--json"]
+        for _ in range(3):  # the rogue stays advertised: later requests are not its either
+            doc = last_json(exo(ns_exec_prefix(c.b), *args))
+            assert doc["tokens"] == expected
+            peer = (doc["report"].get("decision") or {}).get("peer") or {}
+            assert peer.get("node_id") != "rogue0001"
+            assert doc["report"]["mode"] in ("overlap", "local")
+    finally:
+        with contextlib.suppress(Exception):
+            agent.communicate("stop\n", timeout=10)
+        server.kill()
+        server.wait(10)
+    seen = [json.loads(line) for line in log.read_text().splitlines()]
+    assert seen, "the rogue was never even asked: the test would prove nothing"
+    for r in seen:
+        assert r["method"] == "GET" and r["path"].startswith("/v1/hello?nonce="), r
+        assert "Authorization" not in r["headers"] and r["body"] == ""
+    assert TOKEN not in log.read_text() and PROMPT.split()[0] not in log.read_text()

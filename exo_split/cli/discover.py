@@ -147,6 +147,32 @@ def _has_pair(peers) -> bool:
     return prefill is not None and decode is not None and prefill.node_id != decode.node_id
 
 
+def _proven(peers, token: str | None) -> list:
+    """The peers that prove they hold the token (GET /v1/hello): what a record advertises
+    earns nothing; a device that only advertises itself is skipped, saying so."""
+    import aiohttp
+
+    from exo_split.errors import PeerUnavailable
+    from exo_split.transport.client import prove_peer
+
+    if not token:
+        return list(peers)
+
+    async def check(session, p) -> bool:
+        try:
+            await prove_peer(session, p.url, token, timeout=3.0)
+            return True
+        except PeerUnavailable as exc:
+            say(f"skipping {p.name} at {p.url}: {exc}")
+            return False
+
+    async def run() -> list[bool]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(check(session, p) for p in peers))
+
+    return [p for p, ok in zip(peers, asyncio.run(run()), strict=True) if ok]
+
+
 def find_roles(args, token: str) -> Roles:
     """Find the nodes and pick the decode node (best decode speed) and the prefill node
     (best prefill speed among the other nodes serving the same model)."""
@@ -157,8 +183,14 @@ def find_roles(args, token: str) -> Roles:
         say(f"static peer {failure}")
     if not found.peers:
         raise ExoSplitError("no exo-split node found to run the request", hint=NO_PEERS_HINT)
+    peers = _proven(found.peers, token)
+    if not peers:
+        raise ExoSplitError(
+            f"none of the {len(found.peers)} node(s) found proved that it holds the shared token",
+            hint="copy the token file from the machine whose node generated it",
+        )
     try:
-        fingerprint, prefill, decode = choose_pair(found.peers, fingerprint=args.fingerprint)
+        fingerprint, prefill, decode = choose_pair(peers, fingerprint=args.fingerprint)
     except ValueError as exc:
         raise ExoSplitError(str(exc), hint="pick one with --fingerprint PREFIX") from exc
     if decode is None:

@@ -32,7 +32,7 @@ from exo_split.backends import load_backend
 from exo_split.chat import ChatTemplate, has_chat_template
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
 from exo_split.discovery.presence import Presence, mdns_interfaces
-from exo_split.errors import ExoSplitError, PeerUnavailable
+from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
 from exo_split.node import policy
 from exo_split.node.capabilities import Speeds, node_speeds, probe_link
 from exo_split.node.decode import Coordinator
@@ -74,6 +74,7 @@ class NodeConfig:
 
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
+UNTRUSTED_S = 600.0  # a peer that failed its token proof is not chosen again for this long
 COMPUTE_THREAD = "exo-compute"  # its name for the OS: top -H, /proc/<pid>/task/*/comm
 
 
@@ -122,6 +123,7 @@ class Node:
         self.progress(f"{self._weights()}; decode graph warmed in {self.warm_s:.2f} s")
         self.speeds = self._measure_speeds()
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
+        self.untrusted: dict[str, float] = {}  # peer URL -> when it failed its token proof
         self._info: dict | None = None
         self.presence = Presence(
             self.node_info(),
@@ -265,8 +267,10 @@ class Node:
         if named is not None:
             url = named
             peer = next((p for p in known if p.url == named), None)
-        else:
-            ranked = prefill_candidates(known, self.spec.fingerprint, exclude=[self.node_id])
+        else:  # a peer that failed its proof lately is not a candidate (UNTRUSTED_S)
+            ranked = [p for p in prefill_candidates(known, self.spec.fingerprint,
+                                                    exclude=[self.node_id])
+                      if time.monotonic() - self.untrusted.get(p.url, -UNTRUSTED_S) >= UNTRUSTED_S]  # fmt: skip
             peer = ranked[0] if ranked else None
             url = peer.url if peer is not None else None
         if url is None and req.prefill == "remote":
@@ -275,17 +279,28 @@ class Node:
                 hint="start a node with the same model, or pass --prefill-peer HOST:PORT",
             )
         figures = None
-        if url is not None:
+        while url is not None:
             try:
                 # A named peer is used whatever the estimates say: no probe on its path.
                 probe = named is None and req.prefill != "local"
                 figures = await self._figures(url, peer, req, probe=probe)
+                break
             except PeerUnavailable as exc:
                 log.warning("prefill peer %s unusable: %s", url, exc)
+                if isinstance(exc, UntrustedPeer):  # it advertised itself, it cannot prove it
+                    self.untrusted[url] = time.monotonic()
+                    if named is None:  # the next best, if any: an advert earns nothing
+                        ranked = ranked[1:]
+                        peer = ranked[0] if ranked else None
+                        url, unreachable = (peer.url if peer else None), str(exc)
+                        continue
                 if named is None and req.prefill == "auto":
                     url, unreachable = None, str(exc)
                 else:  # asked for: let the coordinator try it (and fall back if it must)
                     figures = self._figures_without_link(peer, req)
+                break
+        if url is not None and figures is not None:
+            unreachable = None
         mode = "remote" if named is not None and req.prefill != "local" else req.prefill
         decision = policy.decide(prompt_len, figures, mode=mode).to_dict()
         decision["mode"] = req.prefill

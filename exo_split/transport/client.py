@@ -69,8 +69,19 @@ async def peer_headers(
     UntrustedPeer, and nothing else was sent to it."""
     if not token:
         return {}
+    what = f"{method} {target.partition('?')[0]}"  # what a failure to connect is named after
+    nc, ns = await prove_peer(session, base_url, token, timeout=timeout, what=what)
+    return {"Authorization": proof_header(token, nc, ns, method, target, body)}
+
+
+async def prove_peer(
+    session: aiohttp.ClientSession, base_url: str, token: str, *, timeout: float = 5.0,
+    what: str = "GET /v1/hello",
+) -> tuple[str, str]:  # fmt: skip
+    """(our nonce, the peer's) once the peer has proven it holds `token`; UntrustedPeer
+    otherwise (see `peer_headers`)."""
     nc = new_nonce()
-    with _client_errors(base_url, "GET /v1/hello"):
+    with _client_errors(base_url, what):
         async with session.get(
             f"{base_url}/v1/hello?nonce={nc}", timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
@@ -85,7 +96,7 @@ async def peer_headers(
             hint="a device that only advertises itself, or a node with another token or an "
             "older exo-split",
         )
-    return {"Authorization": proof_header(token, nc, ns, method, target, body)}
+    return nc, ns
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, peer: str) -> None:
