@@ -298,3 +298,39 @@ def test_300_idle_connections_cannot_starve_a_node_of_descriptors(ckpt, tmp_path
         for s in socks:
             s.close()
         t.stop(), m.stop()
+
+
+def test_tokenizing_runs_off_the_event_loop(backends, ckpt):
+    """Issue 18, L6: a request whose tokenization is still running (here held on an event,
+    as a big body's rendering would be) does not stall the node: /v1/health is answered
+    meanwhile, and the request completes once tokenization is let go."""
+    import threading
+
+    async def run():
+        async with serving(backends, ckpt, "mlx") as (url, state), aiohttp.ClientSession() as s:
+            coordinator = state.coordinator
+            real, started, release = (
+                coordinator.codec.tokenize,
+                threading.Event(),
+                threading.Event(),
+            )
+
+            def slow_tokenize(text):
+                started.set()
+                assert release.wait(30), "never released"
+                return real(text)
+
+            coordinator.codec.tokenize = slow_tokenize
+            body = {"prompt": "ba be bi bo", "max_tokens": 2, "prefill": "local"}
+            gen = asyncio.create_task(post(s, url + "/v1/generate", body))
+            await until(started.is_set)
+            async with s.get(url + "/v1/health") as resp:  # answered while tokenizing
+                health = resp.status
+            assert not gen.done()
+            release.set()
+            status, _, events = await gen
+            coordinator.codec.tokenize = real
+            return health, status, events
+
+    health, status, events = asyncio.run(run())
+    assert health == 200 and status == 200 and events[-1]["type"] == "done"

@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import aiohttp
 
@@ -112,6 +112,13 @@ class Coordinator:
             if checkout is not None and self.prefix is not None:
                 self.prefix.cancel(checkout)  # nothing once generate has used it
 
+    async def tokenize_off_loop(self, req: GenerateRequest) -> list[int]:
+        """`tokenize` on a thread of its own: rendering a template and tokenizing a body of
+        up to 8 MiB takes long enough to stall every KV stream and heartbeat the event loop
+        serves (issue 18, L6); nor does it queue behind the compute thread's decode."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_TEXT_THREAD, self.tokenize, req)
+
     def tokenize(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), checked against
         the vocabulary and the context."""
@@ -179,7 +186,7 @@ class Coordinator:
         until: Callable[[], bool] | None,
         checkout: Checkout | None,
     ) -> dict:
-        ids = list(prompt_ids) if prompt_ids is not None else self.tokenize(req)
+        ids = list(prompt_ids) if prompt_ids is not None else await self.tokenize_off_loop(req)
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
         tokens: list[int] = []
@@ -425,6 +432,10 @@ class Coordinator:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ProtocolError(f"{peer}: HELLO has a malformed spec: {exc}") from exc
         require_compatible(self.spec, theirs, what=f"prefill peer {peer}")
+
+
+# Text work of every request (templates, tokenizers), one at a time, off the event loop.
+_TEXT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-text")
 
 
 def _nothing() -> None:

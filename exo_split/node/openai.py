@@ -100,7 +100,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         req = CompletionRequest.from_json(body, chat=chat)
         if req.model != state.model_id:
             raise _unknown_model(req.model, state.model_id)
-        ids, max_tokens = _admit(state, req)
+        ids, max_tokens = await _admit(state, req)
     except OpenAIError as exc:
         return _error(exc)
     gen = req.generate_request(max_tokens)
@@ -123,10 +123,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         return await (run.stream(work) if req.stream else run.respond(work))
 
 
-def _admit(state, req: CompletionRequest) -> tuple[list[int], int]:
+async def _admit(state, req: CompletionRequest) -> tuple[list[int], int]:
     """The prompt's ids and the tokens to generate, or OpenAIError(400) with the numbers."""
     try:
-        ids = state.coordinator.tokenize(req.generate_request(1))
+        ids = await state.coordinator.tokenize_off_loop(req.generate_request(1))
         context = state.spec.max_position_embeddings
         max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, context - len(ids)))
         check_request(state.spec, len(ids), max_tokens)

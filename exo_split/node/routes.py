@@ -185,7 +185,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     try:
         req = GenerateRequest.from_json(body)
-        ids = state.coordinator.tokenize(req)  # refuse what cannot run before the 200
+        ids = await state.coordinator.tokenize_off_loop(req)  # refused before the 200
         if len(ids) > state.limits.max_prompt_tokens:
             raise PromptTooLong(
                 f"{len(ids)} prompt tokens exceed this node's limit of "
