@@ -387,8 +387,16 @@ def test_a_peer_that_answers_the_data_connection_with_http_is_refused():
         async def answer(request):
             return aiohttp.web.json_response({"protocol": PROTOCOL_VERSION, "ticket": "00" * 32})
 
+        async def hello(request):  # it holds the token: the data connection is what fails
+            from exo_split.transport.auth import new_nonce, server_proof
+
+            ns = new_nonce()
+            proof = server_proof(TOKEN, request.query["nonce"], ns)
+            return aiohttp.web.json_response({"nonce": ns, "proof": proof})
+
         app = aiohttp.web.Application()
         app.router.add_post("/v1/prefill", answer)
+        app.router.add_get("/v1/hello", hello)
         runner = aiohttp.web.AppRunner(app)
         await runner.setup()
         site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
