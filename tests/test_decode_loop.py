@@ -77,7 +77,9 @@ def test_sampled_tokens_are_the_host_rule_on_the_same_logits(mlx_llama, sampling
     stats = DecodeStats()
     ours = list(mlx_llama.decode(cache, first, max_tokens=n, sampling=sampling, stats=stats))
     assert ours == serial(mlx_llama, ids, first, n, sampling)
-    assert stats.steps == n - 1 and stats.corrected <= stats.checked
+    # (`corrected <= checked` stood here: true by construction. Whether a correction ran is
+    # this model's business; that the host's token wins when one does is the next test's.)
+    assert stats.steps == n - 1
 
 
 def test_a_host_correction_discards_the_step_queued_with_the_wrong_token(mlx_llama, monkeypatch):
