@@ -125,6 +125,23 @@ FAMILIES: dict[str, Family] = {
         mlx_embed_scale_dtype="bfloat16",
     ),
 }
+# Families both libraries implement that exo-split refuses, and why (README, Limitations).
+REFUSED = {
+    "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
+    "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
+    "description does not hold yet",
+    "gpt_oss": "its YaRN does not truncate (mlx-lm's always does), and mlx-lm cannot load "
+    "the experts of a transformers-5 checkpoint",
+    "qwen3_next": "its recurrent (gated delta net) layers' state does not travel yet",
+    "qwen3_5": "its recurrent (gated delta net) layers' state does not travel yet",
+    "qwen3_5_moe": "its recurrent (gated delta net) layers' state does not travel yet",
+    "granitemoehybrid": "its recurrent (Mamba) layers' state does not travel yet",
+    "deepseek_v3": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
+    "latent, and the latent does not travel yet",
+    "glm4_moe_lite": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
+    "latent, and the latent does not travel yet",
+    "kimi_k2": "latent attention (MLA) does not travel yet",
+}
 # Config keys that are read from rope_parameters in transformers 5 (the old layout: top level).
 ROPE_FIELDS = ("partial_rotary_factor",)
 

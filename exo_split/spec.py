@@ -200,8 +200,11 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
     arch = config.get("model_type")
     fam = families.family(arch)
     if fam is None:
+        why = families.REFUSED.get(arch or "")
         raise BadCheckpoint(
-            f"unsupported architecture {arch!r}: exo-split supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {arch!r}"
+            + (f": {why}" if why else "")
+            + f"; exo-split supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     reason = fam.refuse(config) if fam.refuse else None
     if reason:

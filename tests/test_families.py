@@ -300,3 +300,16 @@ def test_a_quantized_copy_decodes_the_full_precision_handoff(arch, checkpoint, t
     assert report.decode_quantization["bits"] == 8
     assert report.passed, [p.reason for p in report.failing]
     assert [p.name for p in report.pairings] == ["torch->mlx", "mlx->mlx"]
+
+
+@pytest.mark.parametrize("arch", sorted(families.REFUSED))
+def test_a_refused_family_says_why(arch):
+    """Families both libraries implement but exo-split cannot run yet say why, not only
+    'unsupported' (README, Limitations)."""
+    assert arch not in families.FAMILIES
+    config = json.loads(MORE_FAMILIES["qwen3_moe"]().to_json_string()) | {"model_type": arch}
+    with pytest.raises(BadCheckpoint) as refused:
+        spec_from_config(config)
+    message = str(refused.value)
+    assert message.startswith(f"unsupported architecture {arch!r}: ")
+    assert families.REFUSED[arch] in message and "exo-split supports llama" in message
