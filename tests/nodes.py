@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -150,3 +151,45 @@ async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as s, s.request(method, url, headers=headers, **kw) as resp:
         return resp.status, await resp.read(), dict(resp.headers)
+
+
+@contextlib.asynccontextmanager
+async def tiny_decode_node(ckpt, limits=None):
+    """An MLX decode node for a tiny random checkpoint, in this process (local prefill only);
+    it serves chat when the checkpoint carries a chat template. Yields its /v1 URL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiohttp import web
+
+    from exo_split.backends import load_backend
+    from exo_split.chat import ChatTemplate, has_chat_template
+    from exo_split.node.decode import Coordinator
+    from exo_split.node.routes import NodeState, make_app
+    from exo_split.tokenizer import TextCodec
+    from exo_split.transport.client import Timeouts
+    from exo_split.transport.limits import Limits
+
+    limits = limits if limits is not None else Limits()
+    chat = ChatTemplate(ckpt) if has_chat_template(ckpt) else None
+    executor = ThreadPoolExecutor(1, thread_name_prefix="compute-mlx")
+    backend = executor.submit(load_backend, "mlx", ckpt).result()
+
+    async def choose_peer(req, n):
+        return None, None
+
+    timeouts = Timeouts()
+    coordinator = Coordinator(backend, TextCodec(ckpt), executor, token=TOKEN, timeouts=timeouts,
+                              session=aiohttp.ClientSession, choose_peer=choose_peer,
+                              chat=chat)  # fmt: skip
+    state = NodeState(node_id="tiny", spec=backend.spec, backend=backend, executor=executor,
+                      token=TOKEN, limits=limits, coordinator=coordinator, info={},
+                      timeouts=timeouts, model_id="tiny")  # fmt: skip
+    runner = web.AppRunner(make_app(state), shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        await runner.cleanup()
+        executor.shutdown()

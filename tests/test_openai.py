@@ -12,25 +12,18 @@ node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
-from nodes import TOKEN, NodeProcess, request
+from nodes import TOKEN, NodeProcess, request, tiny_decode_node
 from reference import prompt_ids, reference_chat, reference_generate
 from transformers import AutoTokenizer
 
-from exo_split.backends import load_backend
 from exo_split.cli.main import main
-from exo_split.node.decode import Coordinator
-from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
-from exo_split.transport.client import Timeouts
 from exo_split.transport.limits import Limits
 
 pytestmark = pytest.mark.timeout(600)
@@ -331,32 +324,6 @@ def wait_for(node, cond, timeout: float = 60.0) -> dict:
 
 
 # ---------------------------------------------------------------- a model without a template
-
-
-@contextlib.asynccontextmanager
-async def tiny_decode_node(ckpt, limits: Limits):
-    """An MLX decode node for a tiny random checkpoint (no chat template), in this process."""
-    executor = ThreadPoolExecutor(1, thread_name_prefix="compute-mlx")
-    backend = executor.submit(load_backend, "mlx", ckpt).result()
-
-    async def choose_peer(req, n):
-        return None, None
-
-    timeouts = Timeouts()
-    coordinator = Coordinator(backend, TextCodec(ckpt), executor, token=TOKEN, timeouts=timeouts,
-                              session=aiohttp.ClientSession, choose_peer=choose_peer)  # fmt: skip
-    state = NodeState(node_id="tiny", spec=backend.spec, backend=backend, executor=executor,
-                      token=TOKEN, limits=limits, coordinator=coordinator, info={},
-                      timeouts=timeouts, model_id="tiny")  # fmt: skip
-    runner = web.AppRunner(make_app(state), shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"
-    finally:
-        await runner.cleanup()
-        executor.shutdown()
 
 
 def test_a_model_without_a_chat_template_serves_completions_only(llama):

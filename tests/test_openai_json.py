@@ -45,9 +45,11 @@ def test_defaults_follow_openai():
     b = CompletionRequest.from_json(CHAT, chat=True)
     assert a.sampling.temperature == 1.0 and a.max_tokens is None and not a.include_usage
     assert a.sampling.seed != b.sampling.seed  # no seed: sampled differently each time
-    # include_usage means nothing without a stream
-    c = CompletionRequest.from_json(CHAT | {"stream_options": {"include_usage": True}}, chat=True)
-    assert not c.include_usage
+    # stream_options without a stream is refused (OpenAI: 400), not ignored
+    with pytest.raises(OpenAIError, match="only allowed with stream: true"):
+        CompletionRequest.from_json(CHAT | {"stream_options": {"include_usage": True}}, chat=True)
+    c = CompletionRequest.from_json(CHAT | {"stream": True, "stream_options": {}}, chat=True)
+    assert c.stream and not c.include_usage
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ class Coordinator:
         del cache
         stopped_by = (
             "until" if ended[0]
-            else "end_of_turn" if tokens[-1] in self.codec.eos_ids
+            else "end_of_turn" if tokens[-1] in self._stop_ids(req)
             else "max_tokens"
         )  # fmt: skip
         timeline = build_timeline(self.spec.n_layers, ids, remote, fallback, decision, arrived,
@@ -301,7 +301,7 @@ class Coordinator:
         def steps(should_stop: Callable[[], bool]):
             return self.backend.decode(
                 cache, first, max_tokens=req.max_tokens, sampling=req.sampling,
-                stop_ids=self.codec.eos_ids,
+                stop_ids=self._stop_ids(req),
                 should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
             )  # fmt: skip
 
@@ -310,6 +310,9 @@ class Coordinator:
                 if not await emit_tokens(batch):
                     return False
         return True
+
+    def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
+        return frozenset() if req.ignore_eos else self.codec.eos_ids
 
     def _token_event(self, token: int, stream: TextStream) -> dict:
         return {"type": "token", "id": token, "text": stream.push(token)}

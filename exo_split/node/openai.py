@@ -38,6 +38,7 @@ from exo_split.transport.server import (
     ClientGone,
     Slot,
     Writer,
+    error_shape,
     finish,
     hang_up,
     shaped_errors,
@@ -244,6 +245,7 @@ class _Run:
 
 
 def add_routes(app: web.Application) -> None:
+    error_shape(app, "/v1", _openai_error)  # /v1/responses, /v1/embeddings, a wrong method
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -41,9 +41,11 @@ from exo_split.transport.server import (
     Writer,
     base_app,
     error,
+    error_shape,
     finish,
     hang_up,
     json_body,
+    native_error_body,
     while_connected,
 )
 
@@ -268,6 +270,8 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_post("/v1/generate", generate)
     add_openai_routes(app)
+    for path in ("/v1/info", "/v1/prefill", "/v1/generate", "/v1/probe", "/v1/hello"):
+        error_shape(app, path, native_error_body)  # a wrong method on our own endpoints
     return app
 
 

@@ -10,6 +10,7 @@ PromptTooLong) saying what is wrong, and `to_json`. No framework imports.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,11 +124,14 @@ class GenerateRequest:
     chunk: int | None = None
     fallback: str = "local"  # local | none
     prefix_cache: bool = True  # False: this request neither reuses nor keeps a prefix
+    ignore_eos: bool = False  # True: end-of-turn tokens do not end it (max_tokens does)
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
+        if (bad := lone_surrogate(body)) is not None:
+            raise ValueError(bad[1])
         prompt, ids, messages = body.get("prompt"), body.get("token_ids"), body.get("messages")
         if sum(x is not None for x in (prompt, ids, messages)) != 1:
             raise ValueError("give exactly one of prompt (text), token_ids or messages (chat)")
@@ -161,11 +165,12 @@ class GenerateRequest:
             chunk=chunk,
             fallback=fallback,
             prefix_cache=_flag(body, "prefix_cache"),
+            ignore_eos=_flag(body, "ignore_eos", default=False),
         )
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, True)
+def _flag(body: dict, name: str, default: bool = True) -> bool:
+    value = body.get(name, default)
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be true or false, got {value!r}")
     return value
@@ -222,3 +227,30 @@ def _text(content: Any, where: str) -> str:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+# ---- text that is not Unicode ----
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(body: Any) -> tuple[str, str] | None:
+    """Where a parsed JSON body holds a string that is not valid Unicode (a lone UTF-16
+    surrogate escape such as "\\ud83d": what a JavaScript client sends for a cut emoji):
+    (its place, a message saying so); None if every string is valid. Such text cannot be encoded or
+    tokenized, so it is refused before anything runs. Walks the body without recursion."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            todo += [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+            todo += [(f"{where} (a key)", k) for k in value if isinstance(k, str)]
+        elif isinstance(value, list):
+            todo += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, str) and (m := _SURROGATE.search(value)):
+            return where, (
+                f"{where or 'the body'} is not valid Unicode: a lone surrogate "
+                f"\\u{ord(m.group()):04x} at character {m.start()} (send UTF-8 text, or an "
+                "escaped pair for a character outside the BMP)"
+            )
+    return None

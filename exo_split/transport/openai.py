@@ -20,24 +20,35 @@ from typing import Any
 
 from exo_split.errors import BadMessages
 from exo_split.sampling import Sampling
-from exo_split.transport.messages import GenerateRequest, check_messages
+from exo_split.transport.messages import GenerateRequest, check_messages, lone_surrogate
 
 DEFAULT_MAX_TOKENS = 512  # when the request names none (capped by the context left)
 MAX_STOPS = 4  # as OpenAI
-# Options we refuse unless they have their neutral value: (name, is it neutral?).
+# Options we refuse unless they have their neutral value: (name, is it neutral?, why not).
+# Each would change the output; none is ever ignored (docs/api.md lists every field).
+_SAMPLER = "exo-split's one sampling rule (sampling.py) has temperature and top_p only"
 _UNSUPPORTED = (
-    ("n", lambda v: v in (None, 1)),
-    ("best_of", lambda v: v in (None, 1)),
-    ("logprobs", lambda v: v in (None, False, 0)),
-    ("top_logprobs", lambda v: v in (None, 0)),
-    ("echo", lambda v: v in (None, False)),
-    ("suffix", lambda v: v in (None, "")),
-    ("presence_penalty", lambda v: v in (None, 0)),
-    ("frequency_penalty", lambda v: v in (None, 0)),
-    ("logit_bias", lambda v: not v),
-    ("tools", lambda v: not v),
-    ("functions", lambda v: not v),
-    ("response_format", lambda v: not v or v.get("type") == "text"),
+    ("n", lambda v: v in (None, 1), "one choice per request"),
+    ("best_of", lambda v: v in (None, 1), "one choice per request"),
+    ("logprobs", lambda v: v in (None, False, 0), "not implemented yet"),
+    ("top_logprobs", lambda v: v in (None, 0), "not implemented yet"),
+    ("echo", lambda v: v in (None, False), "not implemented"),
+    ("suffix", lambda v: v in (None, ""), "no fill-in-the-middle"),
+    ("presence_penalty", lambda v: v in (None, 0), _SAMPLER),
+    ("frequency_penalty", lambda v: v in (None, 0), _SAMPLER),
+    ("repetition_penalty", lambda v: v in (None, 1), _SAMPLER),
+    ("logit_bias", lambda v: not v, _SAMPLER),
+    ("top_k", lambda v: v in (None, 0, -1), _SAMPLER),
+    ("min_p", lambda v: v in (None, 0), _SAMPLER),
+    ("min_tokens", lambda v: v in (None, 0), "end-of-turn tokens cannot be banned yet"),
+    ("tools", lambda v: not v, "not implemented yet"),
+    ("functions", lambda v: not v, "not implemented yet"),
+    ("response_format", lambda v: not v or v.get("type") == "text", "not implemented yet"),
+    ("modalities", lambda v: v in (None, ["text"]), "text is the only output"),
+    ("audio", lambda v: not v, "text is the only output"),
+    ("prediction", lambda v: not v, "no predicted outputs"),
+    ("web_search_options", lambda v: not v, "no web search"),
+    ("reasoning_effort", lambda v: v is None, "not implemented"),
 )
 
 
@@ -77,6 +88,7 @@ class CompletionRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # decode to max_tokens past end-of-turn tokens (benchmarks)
     # exo-split's own options, in the body's "exo_split" object (the openai client's
     # extra_body): where to prefill, as POST /v1/generate takes them.
     split: dict[str, Any] = field(default_factory=dict)
@@ -86,16 +98,19 @@ class CompletionRequest:
         """Check a request body; OpenAIError(400) names the parameter that is wrong."""
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
+        if (bad := lone_surrogate(body)) is not None:
+            raise _bad(bad[1], bad[0] or None, "invalid_unicode")
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise _bad("model is required: the id GET /v1/models lists", "model", "missing")
-        for name, neutral in _UNSUPPORTED:
-            if name in body and not neutral(body[name]):
+        for name, neutral, why in _UNSUPPORTED:
+            if name in body and not _is_neutral(neutral, body[name]):
                 raise _bad(
-                    f"{name}={body[name]!r} is not supported by exo-split",
+                    f"{name}={body[name]!r} is not supported by exo-split: {why}",
                     name,
                     "unsupported_parameter",
                 )
+        _check_tool_choice(body)
         fields: dict[str, Any] = {}
         if chat:
             try:
@@ -110,6 +125,11 @@ class CompletionRequest:
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise _bad(f"stream must be true or false, got {stream!r}", "stream")
+        if options and not stream:
+            raise _bad("stream_options is only allowed with stream: true", "stream_options")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise _bad(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
         return cls(
             chat=chat,
             model=model,
@@ -118,6 +138,7 @@ class CompletionRequest:
             stop=_stop(body.get("stop")),
             stream=stream,
             include_usage=stream and bool(options.get("include_usage")),
+            ignore_eos=ignore_eos,
             split=_split_options(body.get("exo_split")),
             **fields,
         )
@@ -130,8 +151,26 @@ class CompletionRequest:
             messages=self.messages,
             max_tokens=max_tokens,
             sampling=self.sampling,
+            ignore_eos=self.ignore_eos,
             **self.split,
         )
+
+
+def _is_neutral(neutral, value: Any) -> bool:
+    try:
+        return bool(neutral(value))
+    except (AttributeError, TypeError):  # e.g. response_format that is not an object
+        return False
+
+
+def _check_tool_choice(body: dict) -> None:
+    """tool_choice without tools can only say what no tools means ("none", "auto")."""
+    choice = body.get("tool_choice")
+    if not body.get("tools") and choice not in (None, "none", "auto"):
+        raise _bad(f"tool_choice={choice!r} needs tools", "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
 
 
 SPLIT_OPTIONS = {"prefill": ("auto", "remote", "local"), "fallback": ("local", "none")}

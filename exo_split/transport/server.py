@@ -36,6 +36,7 @@ from exo_split.transport.limits import KVLedger, Limits, Refused
 
 log = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a request body larger is refused (413)
 DISCONNECT_POLL_S = 0.02  # how often a streaming handler checks that its client is still there
 PROBE_MAX_BYTES = 64 * 1024 * 1024
 PROBE_WRITE_TIMEOUT_S = 30.0  # 64 MiB at 20 Mbit/s; a probe is a few MiB
@@ -63,7 +64,8 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
-PUBLIC_PATHS = frozenset({"/v1/health", "/v1/hello"})  # answered without a token
+# Answered without a token. /health as vLLM and mlx_lm.server answer it (guidellm checks it).
+PUBLIC_PATHS = frozenset({"/v1/health", "/health", "/v1/hello"})
 HEARTBEAT_S = 5.0  # a stream silent this long gets a heartbeat (a long prefill)
 
 ErrorBody = Callable[[int, str, str], Any]  # (status, code, message) -> the JSON error body
@@ -90,8 +92,51 @@ def shaped_errors(body: ErrorBody):
     return mark
 
 
+# The error shape of requests no route takes (a 404, a 405), by path prefix, longest first:
+# the OpenAI API's and the Anthropic API's clients read their own shape there too.
+ERROR_SHAPES = web.AppKey("error_shapes", list)
+
+
+def error_shape(app: web.Application, prefix: str, body: ErrorBody) -> None:
+    """Answer errors on paths under `prefix` that no handler claims in `body`'s shape."""
+    app[ERROR_SHAPES].append((prefix, body))
+    app[ERROR_SHAPES].sort(key=lambda entry: -len(entry[0]))
+
+
 def _error_body_of(request: web.Request) -> ErrorBody:
-    return getattr(request.match_info.handler, "error_body", native_error_body)
+    shaped = getattr(request.match_info.handler, "error_body", None)
+    if shaped is not None:
+        return shaped
+    if getattr(request.match_info, "http_exception", None) is None:
+        return native_error_body  # a handler of ours that takes the native shape
+    for prefix, body in request.app.get(ERROR_SHAPES, ()):
+        if request.path == prefix or request.path.startswith(prefix.rstrip("/") + "/"):
+            return body
+    return native_error_body
+
+
+_HTTP_CODES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed",
+               413: "request_too_large"}  # fmt: skip
+
+
+@web.middleware
+async def http_errors(request: web.Request, handler):
+    """aiohttp's own errors (no route: 404, wrong method: 405, a body over client_max_size:
+    413) in the JSON shape of the path's API instead of plain text. Errors a handler already
+    shaped as JSON pass through."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        message = {
+            404: f"no such endpoint: {request.method} {request.path}",
+            405: f"{request.method} is not allowed on {request.path} "
+            f"(allowed: {exc.headers.get('Allow', '')})",
+        }.get(exc.status, exc.text or exc.reason)
+        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")}
+        code = _HTTP_CODES.get(exc.status, "error")
+        return error(exc.status, code, message, body=_error_body_of(request), **headers)
 
 
 def refusal_response(exc: Refused, body: ErrorBody = native_error_body) -> web.Response:
@@ -286,9 +331,13 @@ async def probe(request: web.Request) -> web.StreamResponse:
 
 def base_app(state: ServerState) -> web.Application:
     """An app with the token check, /v1/health and /v1/probe; the node adds its endpoints."""
-    app = web.Application(middlewares=[auth_middleware], client_max_size=8 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[http_errors, auth_middleware], client_max_size=MAX_BODY_BYTES
+    )
     app[STATE] = state
+    app[ERROR_SHAPES] = []
     app.router.add_get("/v1/health", health)
+    app.router.add_get("/health", health)
     app.router.add_get("/v1/hello", hello)
     app.router.add_get("/v1/probe", probe)
     return app
