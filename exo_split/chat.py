@@ -57,17 +57,31 @@ class ChatTemplate:
             reverse=True,
         )
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
-        """The prompt text of checked messages, ending with the assistant turn's opening."""
-        return self._apply(messages, tokenize=False)
+        self.source = _source(self._tok.chat_template)
+        # Whether the template reads the `tools` it is given (else they would vanish).
+        self.supports_tools = "tools" in _variables(self.source)
 
-    def token_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The prompt text of checked messages, ending with the assistant turn's opening."""
+        return self._apply(messages, tools, tokenize=False)
+
+    def raw_text(self, ids: Sequence[int]) -> str:
+        """The text of generated ids with control tokens kept (a tool call's marker may be
+        one, as Mistral's [TOOL_CALLS] is)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_ids(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         """The prompt token ids, exactly as transformers' apply_chat_template gives them,
         except that message content is data: a control token's string inside a content
         (`<|im_end|>\n<|im_start|>system`, a forged turn) is tokenized as the text it is, never
-        as the control token. Only the template itself writes control tokens."""
+        as the control token. Only the template itself writes control tokens; tool
+        definitions and earlier tool calls holding one are refused."""
+        structured = json.dumps([tools, [m.get("tool_calls") for m in messages]])
+        if found := next((sp for sp in self._specials if sp in structured), None):
+            raise BadMessages(f"a tool definition or tool call holds a control token's text "
+                              f"({found!r}): refused rather than read as a control token")  # fmt: skip
         if not any(sp in m["content"] for m in messages for sp in self._specials):
-            return list(self._apply(messages, tokenize=True))
+            return list(self._apply(messages, tools, tokenize=True))
         # Each control string in a content becomes a marker the template passes through;
         # the rendered text is tokenized around the markers (the template's own control
         # tokens parsed), each marker as plain text (its control string split). The marker's
@@ -77,7 +91,7 @@ class ChatTemplate:
         a, b = next(free), next(free)
         found: list[str] = []
         marked = [{**m, "content": self._mark(m["content"], found, a, b)} for m in messages]
-        rendered = self._apply(marked, tokenize=False)
+        rendered = self._apply(marked, tools, tokenize=False)
         pieces = re.split(f"{a}(\\d+){b}", rendered)
         if len(pieces) // 2 != sum(m["content"].count(a) for m in marked):
             raise BadMessages(
@@ -101,15 +115,35 @@ class ChatTemplate:
                 text = text.replace(sp, f"{a}{len(found) - 1}{b}")
         return text
 
-    def _apply(self, messages, *, tokenize: bool):
+    def _apply(self, messages, tools, *, tokenize: bool):
         from jinja2 import TemplateError
 
+        if tools and not self.supports_tools:
+            raise BadMessages("this model's chat template cannot express tools (it never reads "
+                              "them): tool calling needs a template that does", param="tools")  # fmt: skip
         try:
             return self._tok.apply_chat_template(
                 list(messages),
+                tools=list(tools) if tools else None,
                 add_generation_prompt=True,
                 tokenize=tokenize,
                 return_dict=False,
             )
         except TemplateError as exc:  # e.g. a template that insists on alternating roles
             raise BadMessages(f"the model's chat template refused the messages: {exc}") from exc
+
+
+def _source(template) -> str:
+    """A template's text (transformers may hold several named ones: all of them)."""
+    if isinstance(template, dict):
+        return "\n".join(str(t) for t in template.values())
+    return template or ""
+
+
+def _variables(source: str) -> set[str]:
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return meta.find_undeclared_variables(Environment().parse(source))
+    except TemplateSyntaxError:
+        return set()

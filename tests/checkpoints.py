@@ -164,3 +164,55 @@ def build(out_dir: Path, family: str, *, seed: int = 0, std: float = 0.2, **over
     model.save_pretrained(out_dir)
     save_tokenizer(out_dir, VOCAB)
     return Path(out_dir)
+
+
+# A Hermes / Qwen-style chat template with tools, written for these tests: ChatML turns, the
+# tools as JSON in the system turn, calls as <tool_call> JSON, results in <tool_response>.
+# An assistant turn with calls is written the way exo-split's grammar has the model write
+# them, so that the next turn's prompt starts with the text the model produced.
+TOOLS_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}You may call these functions, each given by a JSON schema:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one by answering <tool_call>
+{"name": <its name>, "arguments": <its arguments>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls %}<tool_call>
+{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% if not loop.last %}
+{% endif %}{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def build_tools_model(out_dir: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random Llama with a real byte-level tokenizer (SmolLM2's, from
+    `tokenizer_dir`, so JSON can be spelled) and TOOLS_TEMPLATE; <|im_end|> ends a turn."""
+    import json
+    import shutil
+
+    build(out_dir, "llama", vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    shutil.copy(Path(tokenizer_dir) / "tokenizer.json", out_dir / "tokenizer.json")
+    config = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return Path(out_dir)

@@ -95,3 +95,11 @@ def gemma3(tmp_path_factory):
         pytest.skip(str(exc))
     root = tmp_path_factory.mktemp("gemma3-cache")
     return SimpleNamespace(dir=ensure_gemma3(root), root=root)
+
+
+@pytest.fixture(scope="session")
+def tools_model(smollm2, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and a Hermes-style tools template."""
+    from checkpoints import build_tools_model
+
+    return build_tools_model(tmp_path_factory.mktemp("ckpt-tools"), smollm2.dir)

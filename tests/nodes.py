@@ -164,6 +164,7 @@ async def tiny_decode_node(ckpt, limits=None):
     from exo_split.backends import load_backend
     from exo_split.chat import ChatTemplate, has_chat_template
     from exo_split.node.decode import Coordinator
+    from exo_split.node.grammar import Grammars
     from exo_split.node.routes import NodeState, make_app
     from exo_split.tokenizer import TextCodec
     from exo_split.transport.client import Timeouts
@@ -180,7 +181,8 @@ async def tiny_decode_node(ckpt, limits=None):
     timeouts = Timeouts()
     coordinator = Coordinator(backend, TextCodec(ckpt), executor, token=TOKEN, timeouts=timeouts,
                               session=aiohttp.ClientSession, choose_peer=choose_peer,
-                              chat=chat)  # fmt: skip
+                              chat=chat, grammars=Grammars(ckpt, backend.spec.vocab_size,
+                                                           TextCodec(ckpt).eos_ids))  # fmt: skip
     state = NodeState(node_id="tiny", spec=backend.spec, backend=backend, executor=executor,
                       token=TOKEN, limits=limits, coordinator=coordinator, info={},
                       timeouts=timeouts, model_id="tiny")  # fmt: skip

@@ -111,7 +111,9 @@ REFUSED = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"response_format": "json"}, "response_format"),
+    ({"response_format": "json"}, "response_format.type"),
+    ({"logprobs": True}, "logprobs"),
+    ({"functions": [{"name": "f"}]}, "functions"),
 ]
 NEUTRAL = [{"top_k": -1}, {"min_p": 0}, {"repetition_penalty": 1}, {"tool_choice": "none"},
            {"parallel_tool_calls": True}, {"modalities": ["text"]}]  # fmt: skip

@@ -245,3 +245,45 @@ def test_a_process_whose_worker_thread_decoded_exits_cleanly_after_close(llama):
         out = subprocess.run([sys.executable, "-c", _WORKER_EXIT, str(llama)],
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-2000:]
+
+
+class _Subsets:
+    """A constraint that allows a pseudo-random half of the vocabulary per step (a function of
+    the tokens accepted so far) and is done after `length` tokens: the loop's mechanics under
+    a mask, independent of any grammar engine (node/grammar.py's is tested in test_tools)."""
+
+    def __init__(self, vocab: int, length: int):
+        self.vocab, self.length, self.tokens = vocab, length, []
+
+    def allowed(self) -> np.ndarray:
+        rng = np.random.default_rng([len(self.tokens), *self.tokens[-2:]])
+        return rng.random(self.vocab) < 0.5
+
+    def accept(self, token: int) -> None:
+        assert self.allowed()[token], "a token outside the mask was picked"
+        self.tokens.append(token)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.length
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=0.9, seed=4, top_p=0.8)])
+def test_a_masked_loop_from_the_prompts_last_token_is_the_host_rule_on_masked_logits(
+    mlx_llama, sampling
+):
+    """start=0 with a constraint: the cache holds the prompt but its last token, the loop
+    computes step 0 itself; every token equals the host rule on the masked logits of the
+    one-step loop, and the loop ends when the constraint is done."""
+    ids, n = ids_(30, seed=9), 16
+    vocab = mlx_llama.spec.vocab_size
+    runs = []
+    for loop in ("pipelined", "serial"):
+        cache, _ = prefilled(mlx_llama, ids[:-1], n)
+        kw = dict(max_tokens=n, sampling=sampling, constraint=_Subsets(vocab, 10), start=0)
+        steps = (mlx_llama.decode(cache, ids[-1], **kw) if loop == "pipelined"
+                 else serial_decode(mlx_llama, cache, ids[-1], **kw))  # fmt: skip
+        runs.append(list(steps))
+    assert runs[0] == runs[1] and len(runs[0]) == 10
+    free = serial(mlx_llama, ids[:-1], ids[-1], n, sampling)
+    assert runs[0] != free[: len(runs[0])]  # the mask changed the answer

@@ -70,7 +70,36 @@ def test_completion_prompts(prompt, field, value):
         (CHAT | {"messages": [{"role": "x", "content": "y"}]}, "messages[0].role", "got 'x'"),
         (CHAT | {"n": 2}, "n", "n=2 is not supported"),
         (CHAT | {"logprobs": True}, "logprobs", "not supported"),
-        (CHAT | {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        (CHAT | {"tools": [{"type": "function"}]}, "tools[0]", "must be an object with a name"),
+        (
+            CHAT | {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+            "must match",
+        ),
+        (
+            CHAT
+            | {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "not among the tools",
+        ),
+        (
+            CHAT
+            | {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+            "cannot both constrain",
+        ),
+        (
+            CHAT | {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.schema",
+            "must be a JSON schema",
+        ),
         (CHAT | {"frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
         (CHAT | {"temperature": 3}, "temperature", r"in \[0, 2\], got 3"),
         (CHAT | {"temperature": "hot"}, "temperature", "got 'hot'"),

@@ -41,6 +41,20 @@ class DecodeStats:
     corrected: int = 0
 
 
+class Constraint(Protocol):
+    """What a request's grammar (node/grammar.py) tells the decode loop: the tokens the next
+    step may pick, given every token accepted so far; `done` once it takes no more."""
+
+    def allowed(self) -> np.ndarray:
+        """bool [vocab]: True where the next token may be that id."""
+        ...
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
 class Backend(Protocol):
     name: str  # "torch" | "mlx"
     device: str  # "cpu" | "cuda" | "metal" ...
@@ -115,9 +129,14 @@ class Backend(Protocol):
         stop_ids: frozenset[int] = frozenset(),
         should_stop: Callable[[], bool] | None = None,
         stats: DecodeStats | None = None,
+        constraint: Constraint | None = None,
+        start: int = 1,
     ) -> Iterator[int]:
         """Yield the tokens of generation steps 1..max_tokens-1; `first_token` is step 0's
-        (picked from the prefill's logits) and is fed in first. Each token is the one
+        (picked from the prefill's logits) and is fed in first. With `start` 0 it is the
+        prompt's last token instead (the cache holds the positions before it), and step 0's
+        token is yielded first. A `constraint` masks every pick it makes (and takes
+        `first_token` when `start` is 1); the loop ends once the constraint is done. Each token is the one
         `sampling.pick` gives on the logits this backend computes. Stops after yielding a
         token of `stop_ids`, or between steps once `should_stop()` is true; run it on the
         compute thread, and it has let go of the cache when it returns or is closed."""
@@ -174,14 +193,26 @@ def serial_decode(
     stop_ids: frozenset[int] = frozenset(),
     should_stop: Callable[[], bool] | None = None,
     stats: DecodeStats | None = None,
+    constraint: Constraint | None = None,
+    start: int = 1,
 ) -> Iterator[int]:
     """`Backend.decode` from `step` and the host rule: one step at a time, logits to the
-    host. What a backend without a pipelined loop uses (torch)."""
+    host (a constraint's mask applied there). What a backend without a pipelined loop uses
+    (torch)."""
     token = first_token
-    for step in range(1, max_tokens):
-        if token in stop_ids or (should_stop is not None and should_stop()):
+    if constraint is not None and start > 0:
+        constraint.accept(token)
+    for step in range(start, max_tokens):
+        if step > 0 and token in stop_ids or (should_stop is not None and should_stop()):
             return
-        token = pick(backend.step(cache, token), sampling, step)
+        if constraint is not None and step > start and constraint.done:
+            return
+        logits = backend.step(cache, token)
+        if constraint is not None:
+            logits = np.where(constraint.allowed(), logits, -np.inf).astype(np.float32)
+        token = pick(logits, sampling, step)
+        if constraint is not None:
+            constraint.accept(token)
         if stats is not None:
             stats.steps += 1
         yield token

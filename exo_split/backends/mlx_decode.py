@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache
 
-from exo_split.backends.base import DecodeStats
+from exo_split.backends.base import Constraint, DecodeStats
 from exo_split.sampling import Sampling, pick, uniform
 
 ULP = 2.0**-24  # float32's unit roundoff
@@ -183,7 +183,7 @@ def blocked_sum(x: mx.array, block: int) -> mx.array:
 @dataclass
 class _Step:
     step: int
-    out: mx.array  # greedy: uint32 [1]; sampled: int32 [1, 2] (token, flag)
+    out: mx.array | None  # greedy: uint32 [1]; sampled: int32 [1, 2] (token, flag)
     logits: mx.array | None  # kept when the host may have to redo the pick
     u: float | None
 
@@ -198,32 +198,54 @@ def decode_steps(
     stop_ids: frozenset[int] = frozenset(),
     should_stop: Callable[[], bool] | None = None,
     stats: DecodeStats | None = None,
+    constraint: Constraint | None = None,
+    start: int = 1,
 ) -> Iterator[int]:
     """`Backend.decode` for mlx-lm models (see the module docstring). The caches are filled
     to the prompt; one step past the last token yielded is computed and written (as in
     mlx-lm: it was queued before the stop was known), so afterwards cache[0].offset is the
-    prompt plus the tokens fed in."""
+    prompt plus the tokens fed in.
+
+    `start` 0: `first_token` is the prompt's last token (the caches hold the positions
+    before it) and the first token yielded is step 0's. With a `constraint`, each step's
+    logits outside `constraint.allowed()` are -inf before the pick; the step's forward is
+    still queued before the previous token is read, and only the pick waits for the mask."""
     stats = stats if stats is not None else DecodeStats()
-    if max_tokens <= 1 or first_token in stop_ids:
+    if max_tokens <= start or (start > 0 and first_token in stop_ids):
         return
+    if constraint is not None and start > 0:
+        constraint.accept(first_token)
     sampler = GraphSampler(model.args.vocab_size, sampling)
     greedy = sampling.temperature == 0.0
 
     def build(token: mx.array, step: int) -> _Step:
         logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+        st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
+        if constraint is None:
+            return pick(st)
+        mx.async_eval(logits)  # the forward runs while the host reads the last token
+        return st
+
+    def pick(st: _Step) -> _Step:
+        """Queue the step's pick (under the constraint's mask for it, if any)."""
+        if constraint is not None:
+            allowed = mx.array(constraint.allowed())
+            st.logits = mx.where(allowed, st.logits, mx.array(-mx.inf, st.logits.dtype))
         if greedy:
-            out = sampler.pick(logits, None)
-            mx.async_eval(out)
-            return _Step(step, out, None, None)
-        u = uniform(sampling.seed, step)
-        out = sampler.pick(logits, mx.array([u], mx.float32))
-        mx.async_eval(out, logits)
-        return _Step(step, out, logits, u)
+            st.out = sampler.pick(st.logits, None)
+            st.logits = None
+            mx.async_eval(st.out)
+        else:
+            st.out = sampler.pick(st.logits, mx.array([st.u], mx.float32))
+            mx.async_eval(st.out, st.logits)
+        return st
 
     cur = pending = None
     try:
         with mx.stream(decode_stream()):
-            cur = build(mx.array([first_token], mx.int32), 1)
+            cur = build(mx.array([first_token], mx.int32), start)
+            if cur.out is None:
+                pick(cur)
             while True:
                 pending = None
                 if cur.step + 1 < max_tokens:  # queue the next step before reading this one
@@ -236,23 +258,33 @@ def decode_steps(
                     if flagged:
                         graph_token, token = token, _host_check(cur, token, sampling, stats)
                         if pending is not None and token != graph_token:
-                            mx.eval(pending.out)  # it ran on the graph's token: undo it
+                            _settle(pending)  # it ran on the graph's token: undo it
                             for c in cache:
                                 c.trim(1)
                             pending = build(mx.array([token], mx.int32), cur.step + 1)
                 stats.steps += 1
+                if constraint is not None:
+                    constraint.accept(token)
                 yield token
                 if pending is None or token in stop_ids:
+                    break
+                if constraint is not None and constraint.done:
                     break
                 if should_stop is not None and should_stop():
                     break
                 if cur.step % CLEAR_EVERY == 0:
                     mx.clear_cache()
                 cur = pending
+                if cur.out is None:
+                    pick(cur)
     finally:
         if pending is not None:
-            mx.eval(pending.out)  # still writing into the cache: let it finish
+            _settle(pending)  # still writing into the cache: let it finish
         cur = pending = None
+
+
+def _settle(st: _Step) -> None:
+    mx.eval(st.out if st.out is not None else st.logits)
 
 
 def _host_check(cur: _Step, token: int, sampling: Sampling, stats: DecodeStats) -> int:

@@ -36,6 +36,7 @@ from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
 from exo_split.node import policy
 from exo_split.node.capabilities import Speeds, node_speeds, probe_link
 from exo_split.node.decode import Coordinator
+from exo_split.node.grammar import Grammars
 from exo_split.node.prefix import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
@@ -151,6 +152,7 @@ class Node:
             chat=self.chat,
             max_frame_bytes=config.limits.max_frame_bytes,
             prefix=self.prefix,
+            grammars=Grammars(config.model_dir, self.spec.vocab_size, self.codec.eos_ids),
         )
         self.coordinator.on_done = self._learn
 

@@ -29,7 +29,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 import aiohttp
 
-from exo_split.backends.base import Backend, DecodeStats
+from exo_split.backends.base import Backend, Constraint, DecodeStats
 from exo_split.chat import ChatTemplate
 from exo_split.errors import (
     AuthError,
@@ -39,6 +39,7 @@ from exo_split.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
 from exo_split.node.receive import STAGED_FRAMES, open_sink
@@ -74,7 +75,9 @@ class Coordinator:
         chat: ChatTemplate | None = None,
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
         prefix: PrefixCache | None = None,
+        grammars: Grammars | None = None,
     ):
+        self.grammars = grammars  # compiles requests' output formats (None: cannot)
         self.chat = chat  # the checkpoint's chat template; None: it has none
         self.prefix = prefix  # finished requests' KV, reused by the next turn (None: off)
         self.backend = backend
@@ -119,6 +122,13 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_TEXT_THREAD, self.tokenize, req)
 
+    async def constrain(self, grammar: dict) -> GrammarConstraint:
+        """A request's grammar compiled (off the event loop), or BadGrammar (its 400)."""
+        if self.grammars is None:
+            raise BadGrammar("this node cannot constrain its output (no grammar engine)")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_TEXT_THREAD, self.grammars.compile, grammar)
+
     def tokenize(self, req: GenerateRequest) -> list[int]:
         """The prompt's token ids (chat messages through the chat template), checked against
         the vocabulary and the context."""
@@ -129,7 +139,7 @@ class Coordinator:
                     "instruct checkpoint",
                     hint="send a raw prompt instead",
                 )
-            ids = self.chat.token_ids(req.messages)
+            ids = self.chat.token_ids(req.messages, req.tools)
         elif req.token_ids is not None:
             ids = list(req.token_ids)
         else:
@@ -148,8 +158,13 @@ class Coordinator:
         emit_many: EmitMany | None = None,
         until: Callable[[], bool] | None = None,
         checkout: Checkout | None = None,
+        constraint: Constraint | None = None,
     ) -> dict:
         """Run one request, emitting token events; returns the final `done` event.
+
+        `constraint`: the request's grammar (node/grammar.py), which masks every pick. Its
+        first token is the decode loop's too: the prefill (remote or local) covers the
+        prompt but its last position, which the loop computes itself under the mask.
 
         `checkout`: its share of the prefix cache (`reusing`), if looked up already.
 
@@ -166,7 +181,7 @@ class Coordinator:
         stop = threading.Event()
         try:
             return await self._generate(
-                req, emit, arrived, stop, prompt_ids, emit_many, until, checkout
+                req, emit, arrived, stop, prompt_ids, emit_many, until, checkout, constraint
             )
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
@@ -185,8 +200,10 @@ class Coordinator:
         emit_many: EmitMany | None,
         until: Callable[[], bool] | None,
         checkout: Checkout | None,
+        constraint: Constraint | None = None,
     ) -> dict:
         ids = list(prompt_ids) if prompt_ids is not None else await self.tokenize_off_loop(req)
+        pre = ids[:-1] if constraint is not None else ids  # what the prefill computes
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
         tokens: list[int] = []
@@ -223,13 +240,18 @@ class Coordinator:
             finally:
                 reuse.cancel(checkout)  # nothing once materialized; else the entry comes back
             m = checkout.cached if held is not None else 0
-        peer, decision = await self.choose_peer(req, len(ids) - m)  # the uncached suffix
         remote, fallback, cache = None, None, None
+        peer, decision = None, None
+        if len(pre) > m:
+            peer, decision = await self.choose_peer(req, len(pre) - m)  # the uncached suffix
+        else:  # constrained, and nothing to prefill: one token, or all but the last cached
+            cache = held if held is not None else await self._run(self.backend.new_cache, capacity)
+        first_token = _ignore if constraint is not None else emit_token
         if peer is not None:
             remote = Remote()
             try:
                 cache = await self._remote_with_retries(
-                    peer, req, ids, capacity, remote, emit, emit_token, held, m
+                    peer, req, pre, capacity, remote, emit, first_token, held, m
                 )
             except PEER_FAILURES as exc:
                 if req.fallback == "none":
@@ -246,26 +268,29 @@ class Coordinator:
         if cache is None:
             done = await self._run(
                 self.backend.prefill,
-                ids,
+                pre,
                 chunk=req.chunk,
                 capacity=capacity,
                 should_stop=stop.is_set,
                 **({"cache": held} if held is not None else {}),
             )
             cache = done.cache
-            if not tokens:
+            if not tokens and constraint is None:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
         local_end = clock()
         stats = DecodeStats()
         held = None
         if not ended[0]:
-            ended[0] = not await self._decode(cache, tokens[0], req, stop, stats, emit_tokens)
+            first = (ids[-1], 0) if constraint is not None else (tokens[0], 1)
+            ended[0] = not await self._decode(cache, first, req, stop, stats, emit_tokens,
+                                              constraint)  # fmt: skip
         if reuse is not None:
             await self._keep(reuse, cache, ids + tokens)
         del cache
         stopped_by = (
             "until" if ended[0]
             else "end_of_turn" if tokens[-1] in self._stop_ids(req)
+            or (constraint is not None and constraint.done)
             else "max_tokens"
         )  # fmt: skip
         timeline = build_timeline(self.spec.n_layers, ids, remote, fallback, decision, arrived,
@@ -295,14 +320,15 @@ class Coordinator:
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache)
 
-    async def _decode(self, cache, first: int, req, stop, stats, emit_tokens) -> bool:
-        """Decode after the first token as one compute job; False if `until` ended it."""
+    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint) -> bool:
+        """Decode from `first` (token, step) as one compute job; False if `until` ended it."""
 
         def steps(should_stop: Callable[[], bool]):
             return self.backend.decode(
-                cache, first, max_tokens=req.max_tokens, sampling=req.sampling,
-                stop_ids=self._stop_ids(req),
+                cache, first[0], start=first[1], max_tokens=req.max_tokens,
+                sampling=req.sampling, stop_ids=self._stop_ids(req),
                 should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
+                constraint=constraint,
             )  # fmt: skip
 
         async with contextlib.aclosing(decode_events(self.executor, steps)) as batches:
@@ -439,6 +465,10 @@ class Coordinator:
 
 # Text work of every request (templates, tokenizers), one at a time, off the event loop.
 _TEXT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-text")
+
+
+async def _ignore(token: int) -> None:
+    """A constrained request's first token is the decode loop's, not the prefill's."""
 
 
 def _nothing() -> None:

@@ -10,6 +10,7 @@ PromptTooLong) saying what is wrong, and `to_json`. No framework imports.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,7 +116,7 @@ class GenerateRequest:
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
     # Chat messages [{"role", "content"}], rendered by the decode node's chat template.
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     max_tokens: int = 64
     sampling: Sampling = field(default_factory=Sampling)
     prefill_peer: str | None = None  # "http://host:port"; None: the node's choice
@@ -125,6 +126,7 @@ class GenerateRequest:
     fallback: str = "local"  # local | none
     prefix_cache: bool = True  # False: this request neither reuses nor keeps a prefix
     ignore_eos: bool = False  # True: end-of-turn tokens do not end it (max_tokens does)
+    tools: tuple[dict, ...] | None = None  # for the chat template (transport/tools.py)
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:
@@ -178,15 +180,20 @@ def _flag(body: dict, name: str, default: bool = True) -> bool:
 
 # ---- chat messages (a /v1/generate body's `messages`, and the OpenAI API's) ----
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 _ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    """The messages as [{"role", "content"}] with text content; BadMessages if malformed."""
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """The messages as [{"role", "content"}] with text content, as chat templates take them;
+    an assistant turn may carry `tool_calls` (content then may be null), each as
+    {"id", "type": "function", "function": {"name", "arguments": <object>}} (the JSON string
+    OpenAI sends is parsed: templates write it out), and a `tool` turn (a result) carries
+    `tool_call_id` and the function's `name`. BadMessages if malformed."""
     if not isinstance(messages, list) or not messages:
         raise BadMessages(f"messages must be a non-empty list, got {_kind(messages)}")
-    out = []
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool call id -> the function it called
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -194,11 +201,54 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
         role = _ALIASES.get(m.get("role"), m.get("role"))
         if role not in CHAT_ROLES:
             raise BadMessages(
-                f"{where}.role must be one of system, developer, user, assistant; got "
+                f"{where}.role must be one of system, developer, user, assistant, tool; got "
                 f"{m.get('role')!r}",
                 param=f"{where}.role",
             )
-        out.append({"role": role, "content": _text(m.get("content"), f"{where}.content")})
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if calls:
+            msg = {"role": role, "content": "" if m.get("content") is None
+                   else _text(m.get("content"), f"{where}.content")}  # fmt: skip
+            msg["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls", names)
+        else:
+            msg = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise BadMessages(f"{where}.tool_call_id is required: the id of the call this "
+                                  "answers", param=f"{where}.tool_call_id")  # fmt: skip
+            msg["tool_call_id"] = call_id
+            name = m.get("name") or names.get(call_id)
+            if isinstance(name, str):
+                msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _tool_calls(calls: Any, where: str, names: dict[str, str]) -> list[dict]:
+    if not isinstance(calls, list):
+        raise BadMessages(f"{where} must be a list", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadMessages(f"{at} must be {{'id', 'type': 'function', 'function': "
+                              "{'name', 'arguments'}}", param=at)  # fmt: skip
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as exc:
+                raise BadMessages(f"{at}.function.arguments is not JSON: {exc}",
+                                  param=f"{at}.function.arguments") from exc  # fmt: skip
+        if not isinstance(args, dict):
+            raise BadMessages(f"{at}.function.arguments must be a JSON object",
+                              param=f"{at}.function.arguments")  # fmt: skip
+        call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{j}"
+        names[call_id] = fn["name"]
+        out.append({"id": call_id, "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})  # fmt: skip
     return out
 
 

@@ -4,8 +4,9 @@ responses, stream chunks and errors out. The handlers are in node/openai.py.
 - POST /v1/chat/completions (messages, through the model's chat template) and
   POST /v1/completions (a raw prompt), streaming (SSE) or not; GET /v1/models.
 - Options: max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
-  stream_options.include_usage. Options that would change the output and that exo-split
-  does not implement (n > 1, logprobs, penalties, tools, ...) are refused, not ignored.
+  stream_options.include_usage, ignore_eos, tools / tool_choice / parallel_tool_calls and
+  response_format (transport/tools.py). Options that would change the output and that
+  exo-split does not implement (n > 1, logprobs, penalties, ...) are refused, not ignored.
 - Without a seed, a random one is drawn per request, as OpenAI samples without one.
 - exo-split's own options travel in an "exo_split" object (the openai client's extra_body):
   {"prefill": "auto|remote|local", "prefill_peer": "HOST:PORT", "fallback": "local|none"}.
@@ -21,6 +22,12 @@ from typing import Any
 from exo_split.errors import BadMessages
 from exo_split.sampling import Sampling
 from exo_split.transport.messages import GenerateRequest, check_messages, lone_surrogate
+from exo_split.transport.tools import (
+    BadTools,
+    check_response_format,
+    check_tool_choice,
+    check_tools,
+)
 
 DEFAULT_MAX_TOKENS = 512  # when the request names none (capped by the context left)
 MAX_STOPS = 4  # as OpenAI
@@ -41,9 +48,7 @@ _UNSUPPORTED = (
     ("top_k", lambda v: v in (None, 0, -1), _SAMPLER),
     ("min_p", lambda v: v in (None, 0), _SAMPLER),
     ("min_tokens", lambda v: v in (None, 0), "end-of-turn tokens cannot be banned yet"),
-    ("tools", lambda v: not v, "not implemented yet"),
-    ("functions", lambda v: not v, "not implemented yet"),
-    ("response_format", lambda v: not v or v.get("type") == "text", "not implemented yet"),
+    ("functions", lambda v: not v, "the legacy function API: send tools"),
     ("modalities", lambda v: v in (None, ["text"]), "text is the only output"),
     ("audio", lambda v: not v, "text is the only output"),
     ("prediction", lambda v: not v, "no predicted outputs"),
@@ -89,6 +94,12 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # decode to max_tokens past end-of-turn tokens (benchmarks)
+    # Tool calling and structured output (transport/tools.py): the checked tools, the choice
+    # ("auto", "none", "required" or the named tool), and the schema response_format asks for.
+    tools: tuple[dict, ...] | None = None
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
+    schema: dict | None = None
     # exo-split's own options, in the body's "exo_split" object (the openai client's
     # extra_body): where to prefill, as POST /v1/generate takes them.
     split: dict[str, Any] = field(default_factory=dict)
@@ -111,7 +122,10 @@ class CompletionRequest:
                     "unsupported_parameter",
                 )
         _check_tool_choice(body)
-        fields: dict[str, Any] = {}
+        try:
+            fields: dict[str, Any] = _tool_fields(body, chat)
+        except BadTools as exc:
+            raise _bad(str(exc), exc.param) from exc
         if chat:
             try:
                 fields["messages"] = tuple(check_messages(body.get("messages")))
@@ -143,6 +157,15 @@ class CompletionRequest:
             **fields,
         )
 
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model is told about tools and its output parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_call(self) -> bool:
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
     def generate_request(self, max_tokens: int) -> GenerateRequest:
         """What the decode node runs: the node picks the prefill peer (prefill: auto)."""
         return GenerateRequest(
@@ -152,6 +175,7 @@ class CompletionRequest:
             max_tokens=max_tokens,
             sampling=self.sampling,
             ignore_eos=self.ignore_eos,
+            tools=self.tools if self.calls_tools else None,
             **self.split,
         )
 
@@ -171,6 +195,23 @@ def _check_tool_choice(body: dict) -> None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+
+
+def _tool_fields(body: dict, chat: bool) -> dict:
+    out: dict[str, Any] = {}
+    if body.get("tools"):
+        if not chat:
+            raise BadTools("tools need /v1/chat/completions", "tools")
+        out["tools"] = check_tools(body["tools"])
+        out["tool_choice"] = check_tool_choice(body.get("tool_choice"), out["tools"])
+        out["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
+    schema = check_response_format(body.get("response_format"))
+    if schema is not None:
+        if out.get("tool_choice") not in (None, "auto", "none"):
+            raise BadTools("response_format and a required tool call cannot both constrain "
+                           "the output", "response_format")  # fmt: skip
+        out["schema"] = schema
+    return out
 
 
 SPLIT_OPTIONS = {"prefill": ("auto", "remote", "local"), "fallback": ("local", "none")}
@@ -333,20 +374,28 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}  # fmt: skip
 
-    def response(self, text: str, finish_reason: str, use: dict, report: dict) -> dict:
-        """The whole (non-streaming) response."""
+    def response(self, text: str, finish_reason: str, use: dict, report: dict,
+                 tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
+        """The whole (non-streaming) response; with tool calls, content is null if empty."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            choice = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": text}
         choice |= {"logprobs": None, "finish_reason": finish_reason}
         head = self._head("chat.completion" if self.chat else "text_completion")
         return head | {"choices": [choice], "usage": use, "exo_split": {"report": report}}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, **extra) -> dict:
-        """One stream chunk: new text, or the end (finish_reason); `extra` adds fields."""
+    def chunk(self, text: str | None = None, finish_reason: str | None = None,
+              tool_calls: list[dict] | None = None, **extra) -> dict:  # fmt: skip
+        """One stream chunk: new text, tool call deltas, or the end (finish_reason); `extra`
+        adds fields."""
         if self.chat:
             delta = {} if text is None else {"content": text}
+            if tool_calls:
+                delta = {"tool_calls": tool_calls}
             if text == "" and finish_reason is None:  # the first chunk names the role
                 delta = {"role": "assistant", "content": ""}
             choice = {"index": 0, "delta": delta}
