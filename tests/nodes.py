@@ -149,6 +149,7 @@ async def open_kv_stream(url: str, body: dict, authorization: str = f"Bearer {TO
 
 async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers |= kw.pop("headers", {})
     async with aiohttp.ClientSession() as s, s.request(method, url, headers=headers, **kw) as resp:
         return resp.status, await resp.read(), dict(resp.headers)
 

@@ -172,6 +172,8 @@ NATIVE_401 = {"code": "unauthorized", "message": "missing or wrong token"}
 # An unknown /v1 path answers in OpenAI's shape (a client of the OpenAI API asked for it).
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
                 "/v1/no-such-endpoint")  # fmt: skip
+ANTHROPIC_401 = {"type": "error", "error": {"type": "authentication_error",
+                                           "message": "missing or wrong token"}}  # fmt: skip
 OPENAI_401 = {"error": {"message": "missing or wrong token", "type": "authentication_error",
                         "param": None, "code": "unauthorized"}}  # fmt: skip
 
@@ -215,7 +217,9 @@ def test_every_endpoint_but_health_answers_401_before_any_work():
         assert code == 401, (method, path, name, body[:200])
         assert headers["WWW-Authenticate"] == "Bearer"
         if method != "HEAD":
-            assert json.loads(body) == (OPENAI_401 if path in OPENAI_PATHS else NATIVE_401), (
+            want = OPENAI_401 if path in OPENAI_PATHS else NATIVE_401
+            want = ANTHROPIC_401 if path.startswith("/v1/messages") else want
+            assert json.loads(body) == want, (
                 method,
                 path,
             )

@@ -308,3 +308,71 @@ def test_an_agent_loop_through_the_openai_client(nodes):
                 messages.append({"role": "tool", "tool_call_id": i,
                                  "content": json.dumps({"ok": True, "step": step, "of": name})})  # fmt: skip
         assert step >= 4  # the required steps all ran
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+
+
+def _message(client, messages, choice, stream, remote):
+    # temperature in extra_body: this SDK's create() no longer takes it (the API does)
+    kw = dict(model="tiny", system="You are an agent.", messages=messages, max_tokens=160,
+              tools=ANTHROPIC_TOOLS, tool_choice=choice,
+              extra_body={"temperature": 0, **remote})  # fmt: skip
+    if not stream:
+        m = client.messages.create(**kw)
+        blocks = [b.model_dump() for b in m.content]
+        return blocks, m.stop_reason, m.model_extra["exo_split"]["report"], m.usage
+    kinds, blocks = [], {}
+    with client.messages.stream(**kw) as s:
+        for ev in s:
+            kinds.append(ev.type)
+        final = s.get_final_message()
+    for b in final.content:
+        blocks[len(blocks)] = b.model_dump()
+    return list(blocks.values()), final.stop_reason, kinds, final.usage
+
+
+def _ids_free(blocks):
+    return [{k: v for k, v in b.items() if k != "id"} for b in blocks]
+
+
+def test_an_agent_loop_through_the_anthropic_client(nodes):
+    """The same loop on /v1/messages (x-api-key auth): tool_use blocks whose input validates,
+    tool_result blocks sent back, Anthropic's event sequence when streamed, equal to the
+    message; the prefix caches serve it as they serve the OpenAI API."""
+    anthropic = pytest.importorskip("anthropic")
+    prefill, decode = nodes
+    remote = {"exo_split": {"prefill": "remote", "prefill_peer": prefill.addr, "fallback": "none"}}
+    # (another question than the OpenAI loop's: that one's prompt is in the prefix caches)
+    messages = [{"role": "user", "content": "Weather in Bergen, then add 4 and 5."}]
+    with anthropic.Anthropic(base_url=decode.url, api_key=TOKEN, max_retries=0,
+                             timeout=300) as client:  # fmt: skip
+        last_prompt = 0
+        for step in range(4):
+            choice = {"type": "any"} if step < 3 else {"type": "auto"}
+            if step == 1:
+                choice = {"type": "tool", "name": "get_weather"}
+            blocks, reason, report, use = _message(client, messages, choice, False, remote)
+            s_blocks, s_reason, kinds, s_use = _message(client, messages, choice, True, remote)
+            assert (_ids_free(s_blocks), s_reason) == (_ids_free(blocks), reason)
+            assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+            assert "message_delta" in kinds and use.output_tokens == s_use.output_tokens
+            assert report["decision"]["choice"] == "remote"
+            assert report["prefix"]["decode_cached_tokens"] >= last_prompt
+            last_prompt = use.input_tokens
+            uses = [b for b in blocks if b["type"] == "tool_use"]
+            if step == 3 and not uses:
+                assert reason in ("end_turn", "max_tokens")
+                break
+            assert reason == "tool_use" and uses, (step, blocks)
+            for b in uses:
+                jsonschema.validate(b["input"], SCHEMAS[b["name"]])
+            assert step != 1 or all(b["name"] == "get_weather" for b in uses)
+            messages.append({"role": "assistant", "content": blocks})
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": b["id"], "content": f"ok {step}"}
+                for b in uses]})  # fmt: skip
+        count = client.messages.count_tokens(model="tiny", messages=messages,
+                                             system="You are an agent.", tools=ANTHROPIC_TOOLS)  # fmt: skip
+        assert step == 3 and count.input_tokens == last_prompt  # what the last step's prompt was

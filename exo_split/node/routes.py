@@ -25,6 +25,7 @@ from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ExoSplitError, IncompatiblePeer, PromptTooLong
+from exo_split.node.anthropic import add_routes as add_anthropic_routes
 from exo_split.node.decode import Coordinator
 from exo_split.node.openai import add_routes as add_openai_routes
 from exo_split.node.prefill import Progress, clock, stream_prefill
@@ -270,6 +271,7 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_post("/v1/prefill", prefill)
     app.router.add_post("/v1/generate", generate)
     add_openai_routes(app)
+    add_anthropic_routes(app)
     for path in ("/v1/info", "/v1/prefill", "/v1/generate", "/v1/probe", "/v1/hello"):
         error_shape(app, path, native_error_body)  # a wrong method on our own endpoints
     return app

@@ -22,8 +22,21 @@ from exo_split.transport.tools import ToolCall
 
 # Fields that change nothing in the output (metadata.user_id, the caller's own bookkeeping).
 _IGNORED = ("metadata", "service_tier", "container", "mcp_servers")
-_MAPPED = ("model", "max_tokens", "messages", "system", "stop_sequences", "stream",
-           "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking")  # fmt: skip
+_MAPPED = (
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "exo_split",
+)  # fmt: skip; exo_split: our own options, as in the OpenAI API
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -58,7 +71,7 @@ def to_openai(body: Any, *, counting: bool = False) -> CompletionRequest:
         out["max_tokens"] = max_tokens
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
                          ("top_k", "top_k"), ("stop", "stop_sequences"),
-                         ("stream", "stream")):  # fmt: skip
+                         ("stream", "stream"), ("exo_split", "exo_split")):  # fmt: skip
         if body.get(theirs) is not None:
             out[ours] = body[theirs]
     if isinstance(out.get("temperature"), int | float) and not 0 <= out["temperature"] <= 1:

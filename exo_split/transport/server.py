@@ -168,8 +168,10 @@ async def auth_middleware(request: web.Request, handler):
 
 async def _authorized(request: web.Request, state: ServerState) -> bool:
     """A peer's proof (ExoProof: a MAC over a nonce this node handed out and the request
-    itself) or a client's `Bearer <token>`."""
+    itself) or a client's `Bearer <token>` (or `x-api-key: <token>`, Anthropic's header)."""
     header = request.headers.get("Authorization")
+    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
+        return token_matches(request.headers["x-api-key"], state.token)
     proof = parse_proof(header)
     if proof is None:
         return token_matches(bearer(header), state.token)
