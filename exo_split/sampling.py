@@ -67,6 +67,18 @@ def sample(logits: np.ndarray, sampling: Sampling, step: int) -> tuple[int, floa
     return token, float(log_softmax(logits)[token])
 
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+
+
+def logprobs_of(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """A picked token's log-probability under the model's own distribution (the logits
+    before temperature, top-p or a grammar's mask) and the `top` most probable tokens with
+    theirs, most probable first (ties by id)."""
+    lp = log_softmax(np.asarray(logits, dtype=np.float32).reshape(-1))
+    best = np.lexsort((np.arange(len(lp)), -lp))[:top] if top else []
+    return float(lp[token]), [(int(i), float(lp[i])) for i in best]
+
+
 def pick(logits: np.ndarray, sampling: Sampling, step: int, *, u: float | None = None) -> int:
     """The token of the rule (module docstring) for generation step `step`; `u` may be given
     when the caller already drew uniform(seed, step). The decode loop's host check calls this."""

@@ -29,6 +29,10 @@ class TextCodec:
     def detokenize(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, control tokens included (a log-probability's label)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
 
 class TextStream:
     """Incremental detokenization: feed ids one by one, get the new text each time.

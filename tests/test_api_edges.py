@@ -169,3 +169,42 @@ def test_ignore_eos_decodes_to_max_tokens_past_the_end_of_turn(llama, tmp_path):
     assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 12
     assert forced.exo_split["report"]["timeline"]["decode"]["stopped_by"] == "max_tokens"
     assert forced.choices[0].text == TextCodec(ckpt).detokenize(want)
+
+
+def test_logprobs_equal_transformers_log_softmax_first_token_included(llama):
+    """Completions with logprobs=5, greedy and sampled, streamed and not: each token's
+    log-probability and its top 5 equal log-softmax of transformers' logits on the same ids
+    within 1e-4 (float32), the first token's included."""
+    import torch
+    from reference import reference_logits
+
+    codec = TextCodec(llama)
+    prompt = prompt_ids(12, seed=8)
+
+    async def probe(base):
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0) as c:
+            out = []
+            for temperature in (0.0, 0.9):
+                kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=temperature,
+                          seed=3, logprobs=5)  # fmt: skip
+                whole = (await c.completions.create(**kw)).choices[0].logprobs
+                chunks = [ch.choices[0].logprobs async for ch in await c.completions.create(
+                    **kw, stream=True) if ch.choices and ch.choices[0].logprobs]  # fmt: skip
+                out.append((whole, chunks))
+            return out
+
+    for whole, chunks in run(llama, probe):
+        ids = [codec._tok.token_to_id(t) for t in whole.tokens]
+        assert len(ids) == 8 and None not in ids
+        ref = torch.log_softmax(reference_logits(llama, prompt + ids)[len(prompt) - 1 :], -1)
+        for i, (token, lp, top) in enumerate(
+            zip(ids, whole.token_logprobs, whole.top_logprobs, strict=True)
+        ):
+            assert abs(lp - ref[i, token].item()) <= 1e-4, (i, lp, ref[i, token].item())
+            best = torch.topk(ref[i], 5)
+            assert list(top) == [codec.token_text(int(j)) for j in best.indices]
+            assert max(abs(top[codec.token_text(int(j))] - v.item())
+                       for j, v in zip(best.indices, best.values, strict=True)) <= 1e-4  # fmt: skip
+        streamed = [t for ch in chunks for t in ch.tokens]
+        assert streamed == whole.tokens
+        assert [x for ch in chunks for x in ch.token_logprobs] == whole.token_logprobs

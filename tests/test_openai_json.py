@@ -69,7 +69,9 @@ def test_completion_prompts(prompt, field, value):
         ({"messages": CHAT["messages"]}, "model", "model is required"),
         (CHAT | {"messages": [{"role": "x", "content": "y"}]}, "messages[0].role", "got 'x'"),
         (CHAT | {"n": 2}, "n", "n=2 is not supported"),
-        (CHAT | {"logprobs": True}, "logprobs", "not supported"),
+        (CHAT | {"logprobs": 3}, "logprobs", "true or false"),
+        (CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs", r"in \[0, 20\]"),
+        (CHAT | {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         (CHAT | {"tools": [{"type": "function"}]}, "tools[0]", "must be an object with a name"),
         (
             CHAT | {"tools": [{"type": "function", "function": {"name": "a b"}}]},

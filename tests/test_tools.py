@@ -376,3 +376,36 @@ def test_an_agent_loop_through_the_anthropic_client(nodes):
         count = client.messages.count_tokens(model="tiny", messages=messages,
                                              system="You are an agent.", tools=ANTHROPIC_TOOLS)  # fmt: skip
         assert step == 3 and count.input_tokens == last_prompt  # what the last step's prompt was
+
+
+def test_chat_logprobs_through_the_split_equal_transformers(nodes, tools_model):
+    """Chat logprobs with top_logprobs=3 through the remote prefill, streamed and not: the
+    first token's included (the decode node computes it), each within 1e-4 of transformers'
+    log-softmax on the same ids, greedy ids equal transformers'."""
+    import torch
+    from reference import reference_generate
+
+    prefill, decode = nodes
+    remote = {"exo_split": {"prefill": "remote", "prefill_peer": prefill.addr, "fallback": "none",
+                            "prefix_cache": False}}  # fmt: skip
+    ask = [{"role": "user", "content": "Name three colours."}]
+    with openai.OpenAI(base_url=f"{decode.url}/v1", api_key=TOKEN, max_retries=0) as client:
+        kw = dict(model="tiny", messages=ask, max_tokens=6, temperature=0, logprobs=True,
+                  top_logprobs=3, extra_body=remote)  # fmt: skip
+        r = client.chat.completions.create(**kw)
+        chunks = [c.choices[0].logprobs for c in client.chat.completions.create(**kw, stream=True)
+                  if c.choices and c.choices[0].logprobs]  # fmt: skip
+    assert r.exo_split["report"]["decision"]["choice"] == "remote"
+    got = r.choices[0].logprobs.content
+    assert [e.model_dump() for c in chunks for e in c.content] == [e.model_dump() for e in got]
+    prompt = ChatTemplate(tools_model).token_ids(ask)
+    ids = reference_generate(tools_model, prompt, 6)
+    codec = TextCodec(tools_model)
+    ref = torch.log_softmax(reference_logits(tools_model, prompt + ids)[len(prompt) - 1 :], -1)
+    assert [e.token for e in got] == [codec.token_text(t) for t in ids]
+    for i, e in enumerate(got):
+        assert abs(e.logprob - ref[i, ids[i]].item()) <= 1e-4
+        best = torch.topk(ref[i], 3)
+        assert [a.token for a in e.top_logprobs] == [codec.token_text(int(j)) for j in best.indices]
+        assert max(abs(a.logprob - v.item()) for a, v in zip(e.top_logprobs, best.values,
+                                                              strict=True)) <= 1e-4  # fmt: skip

@@ -361,12 +361,11 @@ class MLXBackend:
         stop_ids: frozenset[int] = frozenset(),
         should_stop: Callable[[], bool] | None = None,
         stats: DecodeStats | None = None,
-        constraint=None, start: int = 1,
-    ):  # fmt: skip
+        **kw,
+    ):  # constraint, start, logprobs, top_logprobs: mlx_decode.decode_steps's
         return mlx_decode.decode_steps(
             self.model, cache, first_token, max_tokens=max_tokens, sampling=sampling,
-            stop_ids=stop_ids, should_stop=should_stop, stats=stats, constraint=constraint,
-            start=start,
+            stop_ids=stop_ids, should_stop=should_stop, stats=stats, **kw,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache
 
 from exo_split.backends.base import Constraint, DecodeStats
-from exo_split.sampling import Sampling, pick, uniform
+from exo_split.sampling import Sampling, logprobs_of, pick, uniform
 
 ULP = 2.0**-24  # float32's unit roundoff
 # Rounding error of e = exp(z - max z) relative to e, in ULPs, per unit of (max z - z): the
@@ -186,6 +186,8 @@ class _Step:
     out: mx.array | None  # greedy: uint32 [1]; sampled: int32 [1, 2] (token, flag)
     logits: mx.array | None  # kept when the host may have to redo the pick
     u: float | None
+    raw: mx.array | None = None  # the model's logits, when log-probabilities are wanted
+    lp: tuple | None = None  # (the token's, the top ids, theirs), queued with the pick
 
 
 def decode_steps(
@@ -200,6 +202,8 @@ def decode_steps(
     stats: DecodeStats | None = None,
     constraint: Constraint | None = None,
     start: int = 1,
+    logprobs: list | None = None,
+    top_logprobs: int = 0,
 ) -> Iterator[int]:
     """`Backend.decode` for mlx-lm models (see the module docstring). The caches are filled
     to the prompt; one step past the last token yielded is computed and written (as in
@@ -209,7 +213,10 @@ def decode_steps(
     `start` 0: `first_token` is the prompt's last token (the caches hold the positions
     before it) and the first token yielded is step 0's. With a `constraint`, each step's
     logits outside `constraint.allowed()` are -inf before the pick; the step's forward is
-    still queued before the previous token is read, and only the pick waits for the mask."""
+    still queued before the previous token is read, and only the pick waits for the mask.
+    `logprobs`, a list: each token's (log-probability, [(id, lp)] of the `top_logprobs` most
+    probable) is appended before the token is yielded, computed in the graph with the pick
+    (sampling.logprobs_of's numbers; 8 + 8 x top bytes per step come back)."""
     stats = stats if stats is not None else DecodeStats()
     if max_tokens <= start or (start > 0 and first_token in stop_ids):
         return
@@ -221,6 +228,7 @@ def decode_steps(
     def build(token: mx.array, step: int) -> _Step:
         logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
         st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
+        st.raw = logits if logprobs is not None else None
         if constraint is None:
             return pick(st)
         mx.async_eval(logits)  # the forward runs while the host reads the last token
@@ -238,6 +246,9 @@ def decode_steps(
         else:
             st.out = sampler.pick(st.logits, mx.array([st.u], mx.float32))
             mx.async_eval(st.out, st.logits)
+        if st.raw is not None:
+            st.lp = _graph_logprobs(st.raw, st.out if greedy else st.out[:, 0], top_logprobs)
+            mx.async_eval(*st.lp)
         return st
 
     cur = pending = None
@@ -265,6 +276,8 @@ def decode_steps(
                 stats.steps += 1
                 if constraint is not None:
                     constraint.accept(token)
+                if logprobs is not None:
+                    logprobs.append(_read_logprobs(cur, token, top_logprobs))
                 yield token
                 if pending is None or token in stop_ids:
                     break
@@ -281,6 +294,29 @@ def decode_steps(
         if pending is not None:
             _settle(pending)  # still writing into the cache: let it finish
         cur = pending = None
+
+
+def _graph_logprobs(raw: mx.array, token: mx.array, top: int) -> tuple:
+    z = raw.astype(mx.float32)
+    lse = mx.logsumexp(z, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(z, token.astype(mx.int32)[:, None], axis=1) - lse
+    if not top:
+        return (chosen,)
+    ids = mx.argpartition(-z, top - 1, axis=-1)[:, :top]
+    return chosen, ids, mx.take_along_axis(z, ids, axis=1) - lse
+
+
+def _read_logprobs(st: _Step, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The step's log-probabilities from the graph; from the host when the host's pick
+    replaced the graph's (the graph's numbers are for its own token)."""
+    chosen = st.lp[0].item()
+    graph_token = st.out.item() if st.out.ndim == 1 else st.out[0, 0].item()
+    if graph_token != token:
+        return logprobs_of(np.array(st.raw[0].astype(mx.float32)), token, top)
+    if not top:
+        return chosen, []
+    pairs = zip(st.lp[1][0].tolist(), st.lp[2][0].tolist(), strict=True)
+    return chosen, sorted(pairs, key=lambda p: (-p[1], p[0]))
 
 
 def _settle(st: _Step) -> None:

@@ -170,6 +170,9 @@ class Run:
         self.sent = ""  # text streamed so far
         self.write: Writer | None = None
         self.tools = _Tools(state, req, convention) if convention is not None else None
+        self.lps: list[tuple[str, float, list]] = []  # per token: (text, lp, top), if asked
+        self.lps_sent = 0  # of those, how many went out in the stream
+        self.texts: list[str] = []  # each token's text as streamed (where a stop cuts)
 
     # ---- the API's shapes ----
 
@@ -198,6 +201,11 @@ class Run:
         if event.get("type") != "token":
             return
         text = event.get("text", "") if self.tools is None else self.tools.push(event["id"])
+        self.texts.append(text)
+        if "logprob" in event:
+            label = self.state.coordinator.codec.token_text
+            top = [(label(i), lp) for i, lp in event["top_logprobs"]]
+            self.lps.append((label(event["id"]), event["logprob"], top))
         piece = self.stops.push(text)
         if piece and self.write is not None:
             self.sent += piece
@@ -213,6 +221,17 @@ class Run:
         if self.tools is not None and self.tools.calls and not stopped:
             reason = "tool_calls"
         return text, reason, usage(done["prompt_tokens"], len(done["tokens"]))
+
+    def kept_logprobs(self, text: str, done: dict) -> list:
+        """The log-probabilities of the tokens whose text the answer keeps (a stop string
+        cuts the rest away)."""
+        if self.tools is not None or len(text) >= len(done["text"]):
+            return self.lps
+        n, at = 0, 0
+        while n < len(self.lps) and n < len(self.texts) and at < len(text):
+            at += len(self.texts[n])
+            n += 1
+        return self.lps[:n]
 
     def calls(self, reason: str) -> list:
         """The answer's ToolCalls (when it ends in them)."""

@@ -203,7 +203,12 @@ class Coordinator:
         constraint: Constraint | None = None,
     ) -> dict:
         ids = list(prompt_ids) if prompt_ids is not None else await self.tokenize_off_loop(req)
-        pre = ids[:-1] if constraint is not None else ids  # what the prefill computes
+        lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
+        # The decode loop picks the first token itself when its pick needs more than the
+        # prefill's logits give (a grammar's mask, log-probabilities): the prefill then
+        # computes the prompt but its last position.
+        own = constraint is not None or lps is not None
+        pre = ids[:-1] if own else ids  # what the prefill computes
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
         tokens: list[int] = []
@@ -213,15 +218,17 @@ class Coordinator:
             """Record and emit these tokens; False once `until` has ended the generation
             (the tokens after that one are dropped)."""
             if until is None and emit_many is not None:
+                events = []
                 for token, at in batch:
                     tokens.append(token)
                     times.append(at)
-                await emit_many([self._token_event(t, stream) for t, _ in batch])
+                    events.append(self._token_event(token, stream, lps, len(tokens) - 1))
+                await emit_many(events)
                 return True
             for token, at in batch:
                 tokens.append(token)
                 times.append(at)
-                await emit(self._token_event(token, stream))
+                await emit(self._token_event(token, stream, lps, len(tokens) - 1))
                 if until is not None and until():
                     return False
             return True
@@ -246,7 +253,7 @@ class Coordinator:
             peer, decision = await self.choose_peer(req, len(pre) - m)  # the uncached suffix
         else:  # constrained, and nothing to prefill: one token, or all but the last cached
             cache = held if held is not None else await self._run(self.backend.new_cache, capacity)
-        first_token = _ignore if constraint is not None else emit_token
+        first_token = _ignore if own else emit_token
         if peer is not None:
             remote = Remote()
             try:
@@ -275,15 +282,15 @@ class Coordinator:
                 **({"cache": held} if held is not None else {}),
             )
             cache = done.cache
-            if not tokens and constraint is None:
+            if not tokens and not own:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
         local_end = clock()
         stats = DecodeStats()
         held = None
         if not ended[0]:
-            first = (ids[-1], 0) if constraint is not None else (tokens[0], 1)
+            first = (ids[-1], 0) if own else (tokens[0], 1)
             ended[0] = not await self._decode(cache, first, req, stop, stats, emit_tokens,
-                                              constraint)  # fmt: skip
+                                              constraint, lps)  # fmt: skip
         if reuse is not None:
             await self._keep(reuse, cache, ids + tokens)
         del cache
@@ -320,7 +327,7 @@ class Coordinator:
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache)
 
-    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint) -> bool:
+    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint, lps) -> bool:
         """Decode from `first` (token, step) as one compute job; False if `until` ended it."""
 
         def steps(should_stop: Callable[[], bool]):
@@ -328,7 +335,8 @@ class Coordinator:
                 cache, first[0], start=first[1], max_tokens=req.max_tokens,
                 sampling=req.sampling, stop_ids=self._stop_ids(req),
                 should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
-                constraint=constraint,
+                constraint=constraint, **({} if lps is None else
+                                          {"logprobs": lps, "top_logprobs": req.logprobs}),
             )  # fmt: skip
 
         async with contextlib.aclosing(decode_events(self.executor, steps)) as batches:
@@ -340,8 +348,11 @@ class Coordinator:
     def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
         return frozenset() if req.ignore_eos else self.codec.eos_ids
 
-    def _token_event(self, token: int, stream: TextStream) -> dict:
-        return {"type": "token", "id": token, "text": stream.push(token)}
+    def _token_event(self, token: int, stream: TextStream, lps: list | None, i: int) -> dict:
+        event = {"type": "token", "id": token, "text": stream.push(token)}
+        if lps is not None and i < len(lps):  # (the loop appended it before yielding)
+            event["logprob"], event["top_logprobs"] = lps[i]
+        return event
 
     def _decode_info(self, stats: DecodeStats, stopped_by: str) -> dict:
         """The report's account of the decode side: what ran, how the picks went, why it ended."""

@@ -19,6 +19,7 @@ from exo_split.transport.openai import (
     OpenAIError,
     Reply,
     error_body,
+    logprobs_block,
     model_card,
     models_list,
 )
@@ -76,11 +77,25 @@ class _OpenAIRun(Run):
             await self._send(self.reply.chunk("", **self._usage_null()))  # the role
 
     async def piece(self, text: str) -> None:
-        await self._send(self.reply.chunk(text, **self._usage_null()))
+        await self._send(
+            self.reply.chunk(text, logprobs=self._new_logprobs(), **self._usage_null())
+        )
+
+    def _new_logprobs(self, upto: int | None = None) -> dict | None:
+        """The logprobs of the tokens streamed since the last chunk that carried some."""
+        if self.req.logprobs is None:
+            return None
+        upto = len(self.lps) if upto is None else upto
+        offset = sum(len(t) for t in self.texts[: self.lps_sent])  # where the first starts
+        new, self.lps_sent = self.lps[self.lps_sent : upto], max(self.lps_sent, upto)
+        return logprobs_block(self.req.chat, new, offset)
 
     async def end(self, text: str, reason: str, use: dict, done: dict, calls: list) -> None:
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            await self._send(self.reply.chunk(text[len(self.sent) :], **self._usage_null()))
+        rest = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        kept = len(self.kept_logprobs(text, done))
+        if rest or (self.req.logprobs is not None and self.lps_sent < kept):
+            await self._send(self.reply.chunk(rest, logprobs=self._new_logprobs(kept),
+                                              **self._usage_null()))  # fmt: skip
         for i, call in enumerate(calls):  # the name first, then the arguments
             whole = call.to_openai(i)
             args, whole["function"]["arguments"] = whole["function"]["arguments"], ""
@@ -96,7 +111,10 @@ class _OpenAIRun(Run):
 
     def response(self, text: str, reason: str, use: dict, done: dict, calls: list) -> dict:
         tool_calls = [c.to_openai() for c in calls] or None
-        return self.reply.response(text, reason, use, done["report"], tool_calls)
+        lps = None
+        if self.req.logprobs is not None:
+            lps = logprobs_block(self.req.chat, self.kept_logprobs(text, done))
+        return self.reply.response(text, reason, use, done["report"], tool_calls, lps)
 
     def failure(self, exc: OpenAIError) -> web.Response:
         return _error(exc)

@@ -127,6 +127,7 @@ class GenerateRequest:
     prefix_cache: bool = True  # False: this request neither reuses nor keeps a prefix
     ignore_eos: bool = False  # True: end-of-turn tokens do not end it (max_tokens does)
     tools: tuple[dict, ...] | None = None  # for the chat template (transport/tools.py)
+    logprobs: int | None = None  # each token's log-probability and this many alternatives
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:

@@ -6,7 +6,8 @@ responses, stream chunks and errors out. The handlers are in node/openai.py.
 - Options: max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
   stream_options.include_usage, ignore_eos, tools / tool_choice / parallel_tool_calls and
   response_format (transport/tools.py). Options that would change the output and that
-  exo-split does not implement (n > 1, logprobs, penalties, ...) are refused, not ignored.
+  exo-split does not implement (n > 1, penalties, ...) are refused, not ignored. logprobs
+  (top_logprobs up to 20) come from the decode loop, first token included.
 - Without a seed, a random one is drawn per request, as OpenAI samples without one.
 - exo-split's own options travel in an "exo_split" object (the openai client's extra_body):
   {"prefill": "auto|remote|local", "prefill_peer": "HOST:PORT", "fallback": "local|none"}.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exo_split.errors import BadMessages
-from exo_split.sampling import Sampling
+from exo_split.sampling import MAX_TOP_LOGPROBS, Sampling
 from exo_split.transport.messages import GenerateRequest, check_messages, lone_surrogate
 from exo_split.transport.tools import (
     BadTools,
@@ -37,8 +38,6 @@ _SAMPLER = "exo-split's one sampling rule (sampling.py) has temperature and top_
 _UNSUPPORTED = (
     ("n", lambda v: v in (None, 1), "one choice per request"),
     ("best_of", lambda v: v in (None, 1), "one choice per request"),
-    ("logprobs", lambda v: v in (None, False, 0), "not implemented yet"),
-    ("top_logprobs", lambda v: v in (None, 0), "not implemented yet"),
     ("echo", lambda v: v in (None, False), "not implemented"),
     ("suffix", lambda v: v in (None, ""), "no fill-in-the-middle"),
     ("presence_penalty", lambda v: v in (None, 0), _SAMPLER),
@@ -100,6 +99,7 @@ class CompletionRequest:
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
     schema: dict | None = None
+    logprobs: int | None = None  # None: none; n: each token's log-probability and n more
     # exo-split's own options, in the body's "exo_split" object (the openai client's
     # extra_body): where to prefill, as POST /v1/generate takes them.
     split: dict[str, Any] = field(default_factory=dict)
@@ -153,6 +153,7 @@ class CompletionRequest:
             stream=stream,
             include_usage=stream and bool(options.get("include_usage")),
             ignore_eos=ignore_eos,
+            logprobs=_logprobs(body, chat),
             split=_split_options(body.get("exo_split")),
             **fields,
         )
@@ -176,8 +177,31 @@ class CompletionRequest:
             sampling=self.sampling,
             ignore_eos=self.ignore_eos,
             tools=self.tools if self.calls_tools else None,
+            logprobs=self.logprobs,
             **self.split,
         )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: logprobs true (with top_logprobs alternatives, up to 20); completions: logprobs
+    is the number of alternatives (up to 5, as OpenAI's legacy endpoint)."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if value not in (None, True, False):
+            raise _bad(f"logprobs must be true or false, got {value!r}", "logprobs")
+        if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise _bad(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                       "top_logprobs")  # fmt: skip
+        if top and not value:
+            raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if value else None
+    if top is not None:
+        raise _bad("top_logprobs is a chat option: completions take logprobs=N", "top_logprobs")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= 5:
+        raise _bad("logprobs must be an integer in [0, 5]", "logprobs")
+    return value
 
 
 def _is_neutral(neutral, value: Any) -> bool:
@@ -375,7 +399,7 @@ class Reply:
                 "system_fingerprint": self.fingerprint}  # fmt: skip
 
     def response(self, text: str, finish_reason: str, use: dict, report: dict,
-                 tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
+                 tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:  # fmt: skip
         """The whole (non-streaming) response; with tool calls, content is null if empty."""
         if self.chat:
             message = {"role": "assistant", "content": text}
@@ -384,12 +408,13 @@ class Reply:
             choice = {"index": 0, "message": message}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         head = self._head("chat.completion" if self.chat else "text_completion")
         return head | {"choices": [choice], "usage": use, "exo_split": {"report": report}}
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None,
-              tool_calls: list[dict] | None = None, **extra) -> dict:  # fmt: skip
+              tool_calls: list[dict] | None = None, logprobs: dict | None = None,
+              **extra) -> dict:  # fmt: skip
         """One stream chunk: new text, tool call deltas, or the end (finish_reason); `extra`
         adds fields."""
         if self.chat:
@@ -401,7 +426,7 @@ class Reply:
             choice = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return head | {"choices": [choice]} | extra
 
@@ -409,6 +434,26 @@ class Reply:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return head | {"choices": [], "usage": use} | extra
+
+
+def logprobs_block(chat: bool, entries: list[tuple[str, float, list[tuple[str, float]]]],
+                   offset: int = 0) -> dict:  # fmt: skip
+    """OpenAI's logprobs of some tokens, each (its text, its log-probability, the top
+    alternatives as (text, lp)): chat's {"content": [...]}, or the completions endpoint's
+    parallel lists (`offset`: where the first token's text starts in the answer)."""
+    if chat:
+
+        def one(t, lp):
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+
+        return {"content": [one(t, lp) | {"top_logprobs": [one(a, b) for a, b in top]}
+                            for t, lp, top in entries]}  # fmt: skip
+    offsets, at = [], offset
+    for t, _, _ in entries:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}  # fmt: skip
 
 
 def models_list(model_id: str, created: int) -> dict:
