@@ -18,7 +18,7 @@ import time
 import aiohttp
 import openai
 import pytest
-from nodes import TOKEN, NodeProcess, request, tiny_decode_node
+from nodes import TOKEN, node_pair, request, tiny_decode_node
 from reference import prompt_ids, reference_chat, reference_generate
 from transformers import AutoTokenizer
 
@@ -37,16 +37,8 @@ NEW = 24  # enough for the short answers here, which end on <|im_end|> before it
 
 @pytest.fixture(scope="module")
 def nodes(smollm2, tmp_path_factory):
-    work = tmp_path_factory.mktemp("openai")
-    prefill = NodeProcess(smollm2.dir, "torch", work, "--no-warmup")
-    decode = NodeProcess(smollm2.dir, "mlx", work, "--no-warmup", "--model-name", MODEL)
-    try:
-        prefill.wait_ready(180)
-        decode.wait_ready(180)
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    with node_pair(smollm2.dir, tmp_path_factory.mktemp("openai"), MODEL) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
-from nodes import TOKEN, NodeProcess, tiny_decode_node
+from nodes import TOKEN, node_pair, tiny_decode_node
 from reference import reference_logits
 
 from exo_split.chat import ChatTemplate
@@ -227,17 +227,8 @@ def test_tools_on_a_template_that_cannot_express_them_are_a_400(smollm2):
 
 @pytest.fixture(scope="module")
 def nodes(tools_model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tools")
-    prefill = NodeProcess(tools_model, "torch", work, "--no-warmup", prefix_cache_bytes="1G")
-    decode = NodeProcess(tools_model, "mlx", work, "--no-warmup", "--model-name", "tiny",
-                         prefix_cache_bytes="1G")  # fmt: skip
-    try:
-        prefill.wait_ready(180)
-        decode.wait_ready(180)
-        yield prefill, decode
-    finally:
-        prefill.stop()
-        decode.stop()
+    with node_pair(tools_model, tmp_path_factory.mktemp("tools"), "tiny", "1G") as pair:
+        yield pair
 
 
 def _call(client, remote, messages, choice, stream):
