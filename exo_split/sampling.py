@@ -119,3 +119,52 @@ def nucleus_mask(p: np.ndarray, top_p: float) -> np.ndarray:
     mask = np.zeros_like(p)
     mask[kept] = 1.0
     return mask
+
+
+class Adjust:
+    """What OpenAI's penalties, logit_bias and min_tokens do to the logits before the rule,
+    a pure function of the prompt and the tokens generated so far (so a split still equals
+    a single-machine run): for a logit l of token t,
+
+        l = l / r if l > 0 else l * r        when t is in the prompt or the output (r: the
+                                             repetition penalty, vLLM's and transformers')
+        l = l + bias[t] - frequency * count[t] - presence * (count[t] > 0)
+        l = -inf                             for end-of-turn ids while fewer than min_tokens
+
+    where count[t] counts t in the generated tokens (OpenAI's definition, as vLLM applies it).
+    `apply` is the rule on the host (float32, numpy); the MLX loop computes the same
+    operations in float32 in its graph from `seen` and `additive()`."""
+
+    def __init__(self, vocab: int, *, bias: dict[int, float] | None = None,
+                 presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0,
+                 min_tokens: int = 0, eos_ids: frozenset[int] = frozenset(),
+                 prompt: tuple[int, ...] = ()):  # fmt: skip
+        self.presence, self.frequency = np.float32(presence), np.float32(frequency)
+        self.repetition, self.min_tokens = np.float32(repetition), min_tokens
+        self.eos = np.array(sorted(e for e in eos_ids if e < vocab), dtype=np.int64)
+        self.counts = np.zeros(vocab, np.float32)
+        self.seen = np.zeros(vocab, bool)
+        if repetition != 1.0:
+            self.seen[np.asarray(prompt, dtype=np.int64)] = True
+        self.static = np.zeros(vocab, np.float32)
+        for token, b in (bias or {}).items():
+            self.static[token] += np.float32(b)
+        self.generated = 0
+
+    def accept(self, token: int) -> None:
+        self.counts[token] += 1
+        self.seen[token] = True
+        self.generated += 1
+
+    def additive(self) -> np.ndarray:
+        add = self.static - self.frequency * self.counts - self.presence * (self.counts > 0)
+        if self.generated < self.min_tokens and len(self.eos):
+            add[self.eos] = -np.inf
+        return add.astype(np.float32)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        z = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if self.repetition != 1.0:
+            r = self.repetition
+            z = np.where(self.seen, np.where(z > 0, z / r, z * r), z).astype(np.float32)
+        return (z + self.additive()).astype(np.float32)

@@ -102,9 +102,11 @@ def test_errors_of_the_http_layer_come_in_the_paths_shape(llama):
 REFUSED = [
     ({"top_k": 40}, "top_k"),
     ({"min_p": 0.1}, "min_p"),
-    ({"repetition_penalty": 1.1}, "repetition_penalty"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"min_tokens": 4}, "min_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
@@ -208,3 +210,62 @@ def test_logprobs_equal_transformers_log_softmax_first_token_included(llama):
         streamed = [t for ch in chunks for t in ch.tokens]
         assert streamed == whole.tokens
         assert [x for ch in chunks for x in ch.token_logprobs] == whole.token_logprobs
+
+
+def _hf_generate(ckpt, prompt, n, **kw) -> list[int]:
+    import torch
+    from reference import reference_model
+
+    model = reference_model(str(ckpt))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **kw)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_penalties_logit_bias_and_min_tokens_equal_transformers(llama, tmp_path):
+    """Greedy through the API (the first token is the decode node's own pick) against
+    transformers' generate with its own processors: repetition_penalty with min_tokens
+    (end-of-turn banned until then: the copy's EOS is the third greedy token), and
+    logit_bias (transformers' sequence_bias on single tokens); presence and frequency
+    penalties against OpenAI's formula applied by hand to transformers' logits."""
+    import torch
+    from reference import reference_logits
+
+    prompt = prompt_ids(8, seed=5)
+    eos = reference_generate(llama, prompt, 12)[2]
+    ckpt = tmp_path / "tiny-eos"
+    shutil.copytree(llama, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | {"eos_token_id": eos}))
+    codec = TextCodec(ckpt)
+    favoured = reference_generate(llama, prompt, 12)[5]
+
+    async def probe(base):
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0) as c:
+            kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+            rep = await c.completions.create(**kw, extra_body={"repetition_penalty": 1.3,
+                                                               "min_tokens": 6})  # fmt: skip
+            bias = await c.completions.create(**kw, logit_bias={str(favoured): 4.0},
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+            pen = await c.completions.create(**kw, presence_penalty=1.5, frequency_penalty=0.7,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+            return rep, bias, pen
+
+    rep, bias, pen = run(ckpt, probe)
+    want = _hf_generate(ckpt, prompt, 12, repetition_penalty=1.3, min_new_tokens=6,
+                        eos_token_id=eos)  # fmt: skip
+    if eos in want:
+        want = want[: want.index(eos)]
+    assert eos in reference_generate(llama, prompt, 12)[:6]  # min_tokens had work to do
+    assert rep.choices[0].text == codec.detokenize(want)
+    want = _hf_generate(ckpt, prompt, 12, sequence_bias={(favoured,): 4.0}, eos_token_id=None)
+    assert bias.choices[0].text == codec.detokenize(want)
+    assert want != reference_generate(llama, prompt, 12)  # the bias changed the answer
+    ids: list[int] = []  # OpenAI's formula, greedy, on transformers' logits
+    for _ in range(12):
+        z = reference_logits(ckpt, prompt + ids)[-1].clone()
+        counts = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=len(z)).float()
+        z -= 0.7 * counts + 1.5 * (counts > 0).float()
+        ids.append(int(torch.argmax(z)))
+    assert pen.choices[0].text == codec.detokenize(ids)

@@ -287,3 +287,26 @@ def test_a_masked_loop_from_the_prompts_last_token_is_the_host_rule_on_masked_lo
     assert runs[0] == runs[1] and len(runs[0]) == 10
     free = serial(mlx_llama, ids[:-1], ids[-1], n, sampling)
     assert runs[0] != free[: len(runs[0])]  # the mask changed the answer
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(temperature=0.9, seed=4, top_p=0.8)])
+def test_adjusted_logits_in_the_graph_are_the_host_rule_on_the_adjusted_logits(mlx_llama, sampling):
+    """Penalties and logit_bias computed in the graph (float32) give the tokens the host
+    rule gives on sampling.Adjust's float32 logits, step for step, sampled ones included."""
+    from exo_split.sampling import Adjust
+
+    ids, n = ids_(30, seed=11), 20
+    vocab = mlx_llama.spec.vocab_size
+    runs = []
+    for loop in ("pipelined", "serial"):
+        adjust = Adjust(vocab, bias={7: 3.0, 9: -2.5}, presence=0.8, frequency=0.6,
+                        repetition=1.4, prompt=tuple(ids))  # fmt: skip
+        cache, _ = prefilled(mlx_llama, ids[:-1], n)
+        kw = dict(max_tokens=n, sampling=sampling, adjust=adjust, start=0)
+        steps = (mlx_llama.decode(cache, ids[-1], **kw) if loop == "pipelined"
+                 else serial_decode(mlx_llama, cache, ids[-1], **kw))  # fmt: skip
+        runs.append(list(steps))
+    assert runs[0] == runs[1] and len(runs[0]) == n
+    cache, _ = prefilled(mlx_llama, ids[:-1], n)
+    free = list(mlx_llama.decode(cache, ids[-1], max_tokens=n, sampling=sampling, start=0))
+    assert runs[0] != free

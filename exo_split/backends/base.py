@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from exo_split.kv import LayerKV
-from exo_split.sampling import Sampling, logprobs_of, pick
+from exo_split.sampling import Adjust, Sampling, logprobs_of, pick
 from exo_split.spec import ModelSpec, Quantization
 
 OnLayer = Callable[[LayerKV], None]
@@ -133,6 +133,7 @@ class Backend(Protocol):
         start: int = 1,
         logprobs: list | None = None,
         top_logprobs: int = 0,
+        adjust: Adjust | None = None,
     ) -> Iterator[int]:
         """Yield the tokens of generation steps 1..max_tokens-1; `first_token` is step 0's
         (picked from the prefill's logits) and is fed in first. With `start` 0 it is the
@@ -140,7 +141,7 @@ class Backend(Protocol):
         token is yielded first. A `constraint` masks every pick it makes (and takes
         `first_token` when `start` is 1); the loop ends once the constraint is done. With a
         `logprobs` list, each token's `sampling.logprobs_of` entry is appended before it is
-        yielded. Each token is the one
+        yielded. `adjust` (sampling.Adjust) changes every step's logits before the mask. Each token is the one
         `sampling.pick` gives on the logits this backend computes. Stops after yielding a
         token of `stop_ids`, or between steps once `should_stop()` is true; run it on the
         compute thread, and it has let go of the cache when it returns or is closed."""
@@ -201,6 +202,7 @@ def serial_decode(
     start: int = 1,
     logprobs: list | None = None,
     top_logprobs: int = 0,
+    adjust: Adjust | None = None,
 ) -> Iterator[int]:
     """`Backend.decode` from `step` and the host rule: one step at a time, logits to the
     host (a constraint's mask applied there). What a backend without a pipelined loop uses
@@ -208,17 +210,23 @@ def serial_decode(
     token = first_token
     if constraint is not None and start > 0:
         constraint.accept(token)
+    if adjust is not None and start > 0:
+        adjust.accept(token)
     for step in range(start, max_tokens):
         if step > 0 and token in stop_ids or (should_stop is not None and should_stop()):
             return
         if constraint is not None and step > start and constraint.done:
             return
         logits = raw = backend.step(cache, token)
+        if adjust is not None:
+            logits = adjust.apply(logits)
         if constraint is not None:
             logits = np.where(constraint.allowed(), logits, -np.inf).astype(np.float32)
         token = pick(logits, sampling, step)
         if constraint is not None:
             constraint.accept(token)
+        if adjust is not None:
+            adjust.accept(token)
         if logprobs is not None:
             logprobs.append(logprobs_of(raw, token, top_logprobs))
         if stats is not None:

@@ -29,7 +29,7 @@ from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache
 
 from exo_split.backends.base import Constraint, DecodeStats
-from exo_split.sampling import Sampling, logprobs_of, pick, uniform
+from exo_split.sampling import Adjust, Sampling, logprobs_of, pick, uniform
 
 ULP = 2.0**-24  # float32's unit roundoff
 # Rounding error of e = exp(z - max z) relative to e, in ULPs, per unit of (max z - z): the
@@ -204,6 +204,7 @@ def decode_steps(
     start: int = 1,
     logprobs: list | None = None,
     top_logprobs: int = 0,
+    adjust: Adjust | None = None,
 ) -> Iterator[int]:
     """`Backend.decode` for mlx-lm models (see the module docstring). The caches are filled
     to the prompt; one step past the last token yielded is computed and written (as in
@@ -216,12 +217,16 @@ def decode_steps(
     still queued before the previous token is read, and only the pick waits for the mask.
     `logprobs`, a list: each token's (log-probability, [(id, lp)] of the `top_logprobs` most
     probable) is appended before the token is yielded, computed in the graph with the pick
-    (sampling.logprobs_of's numbers; 8 + 8 x top bytes per step come back)."""
+    (sampling.logprobs_of's numbers; 8 + 8 x top bytes per step come back). `adjust`
+    (sampling.Adjust: penalties, logit_bias, min_tokens) changes the logits before the mask
+    and the pick, in the graph, and takes each token as the constraint does."""
     stats = stats if stats is not None else DecodeStats()
     if max_tokens <= start or (start > 0 and first_token in stop_ids):
         return
     if constraint is not None and start > 0:
         constraint.accept(first_token)
+    if adjust is not None and start > 0:
+        adjust.accept(first_token)
     sampler = GraphSampler(model.args.vocab_size, sampling)
     greedy = sampling.temperature == 0.0
 
@@ -229,13 +234,19 @@ def decode_steps(
         logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
         st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
         st.raw = logits if logprobs is not None else None
-        if constraint is None:
+        if constraint is None and adjust is None:
             return pick(st)
         mx.async_eval(logits)  # the forward runs while the host reads the last token
         return st
 
     def pick(st: _Step) -> _Step:
         """Queue the step's pick (under the constraint's mask for it, if any)."""
+        if adjust is not None:
+            z = st.logits.astype(mx.float32)
+            if adjust.repetition != 1.0:
+                r, seen = mx.array(adjust.repetition), mx.array(adjust.seen)
+                z = mx.where(seen, mx.where(z > 0, z / r, z * r), z)
+            st.logits = z + mx.array(adjust.additive())
         if constraint is not None:
             allowed = mx.array(constraint.allowed())
             st.logits = mx.where(allowed, st.logits, mx.array(-mx.inf, st.logits.dtype))
@@ -276,6 +287,8 @@ def decode_steps(
                 stats.steps += 1
                 if constraint is not None:
                     constraint.accept(token)
+                if adjust is not None:
+                    adjust.accept(token)
                 if logprobs is not None:
                     logprobs.append(_read_logprobs(cur, token, top_logprobs))
                 yield token

@@ -111,6 +111,10 @@ async def _admit(state, req: CompletionRequest) -> tuple[list[int], int]:
     except ExoSplitError as exc:  # malformed messages, a model without a chat template ...
         raise OpenAIError(400, str(exc), param=getattr(exc, "param", None) or _prompt_param(req),
                           code="invalid_value") from exc  # fmt: skip
+    bias = (req.adjust or {}).get("bias", {})
+    if any(t >= state.spec.vocab_size for t in bias):
+        raise OpenAIError(400, f"logit_bias names token {max(bias)}: the vocabulary has "
+                          f"{state.spec.vocab_size}", param="logit_bias", code="invalid_value")  # fmt: skip
     if len(ids) > state.limits.max_prompt_tokens:
         raise OpenAIError(
             400,

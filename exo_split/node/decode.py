@@ -46,7 +46,7 @@ from exo_split.node.receive import STAGED_FRAMES, open_sink
 from exo_split.node.timing import Piece, Remote, build_timeline
 from exo_split.node.tokens import Batch, decode_events
 from exo_split.report import build_report, to_json
-from exo_split.sampling import sample
+from exo_split.sampling import Adjust, sample
 from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
 from exo_split.tokenizer import TextCodec, TextStream
 from exo_split.transport import wire
@@ -204,10 +204,10 @@ class Coordinator:
     ) -> dict:
         ids = list(prompt_ids) if prompt_ids is not None else await self.tokenize_off_loop(req)
         lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
-        # The decode loop picks the first token itself when its pick needs more than the
-        # prefill's logits give (a grammar's mask, log-probabilities): the prefill then
-        # computes the prompt but its last position.
-        own = constraint is not None or lps is not None
+        adjust = self._adjust(req, ids)  # penalties, logit_bias, min_tokens
+        # A mask, logprobs or adjusted logits: the decode loop picks the first token too, and
+        # the prefill computes the prompt but its last position.
+        own = constraint is not None or lps is not None or adjust is not None
         pre = ids[:-1] if own else ids  # what the prefill computes
         capacity = len(ids) + req.max_tokens
         stream = TextStream(self.codec)
@@ -290,7 +290,7 @@ class Coordinator:
         if not ended[0]:
             first = (ids[-1], 0) if own else (tokens[0], 1)
             ended[0] = not await self._decode(cache, first, req, stop, stats, emit_tokens,
-                                              constraint, lps)  # fmt: skip
+                                              constraint, lps, adjust)  # fmt: skip
         if reuse is not None:
             await self._keep(reuse, cache, ids + tokens)
         del cache
@@ -327,7 +327,8 @@ class Coordinator:
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache)
 
-    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint, lps) -> bool:
+    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint, lps,
+                      adjust) -> bool:  # fmt: skip
         """Decode from `first` (token, step) as one compute job; False if `until` ended it."""
 
         def steps(should_stop: Callable[[], bool]):
@@ -335,7 +336,7 @@ class Coordinator:
                 cache, first[0], start=first[1], max_tokens=req.max_tokens,
                 sampling=req.sampling, stop_ids=self._stop_ids(req),
                 should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
-                constraint=constraint, **({} if lps is None else
+                constraint=constraint, adjust=adjust, **({} if lps is None else
                                           {"logprobs": lps, "top_logprobs": req.logprobs}),
             )  # fmt: skip
 
@@ -344,6 +345,10 @@ class Coordinator:
                 if not await emit_tokens(batch):
                     return False
         return True
+
+    def _adjust(self, req: GenerateRequest, ids: list[int]) -> Adjust | None:
+        kw = {"eos_ids": self.codec.eos_ids, "prompt": tuple(ids), **(req.adjust or {})}
+        return Adjust(self.spec.vocab_size, **kw) if req.adjust else None
 
     def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
         return frozenset() if req.ignore_eos else self.codec.eos_ids

@@ -128,6 +128,9 @@ class GenerateRequest:
     ignore_eos: bool = False  # True: end-of-turn tokens do not end it (max_tokens does)
     tools: tuple[dict, ...] | None = None  # for the chat template (transport/tools.py)
     logprobs: int | None = None  # each token's log-probability and this many alternatives
+    # Penalties, logit_bias, min_tokens (sampling.Adjust's keyword arguments, token ids as
+    # ints); None: the logits as the model gives them.
+    adjust: dict | None = None
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:

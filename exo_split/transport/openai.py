@@ -6,7 +6,8 @@ responses, stream chunks and errors out. The handlers are in node/openai.py.
 - Options: max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
   stream_options.include_usage, ignore_eos, tools / tool_choice / parallel_tool_calls and
   response_format (transport/tools.py). Options that would change the output and that
-  exo-split does not implement (n > 1, penalties, ...) are refused, not ignored. logprobs
+  exo-split does not implement (n > 1, top_k, ...) are refused, not ignored. Penalties,
+  logit_bias and min_tokens change the logits before the rule (sampling.Adjust). logprobs
   (top_logprobs up to 20) come from the decode loop, first token included.
 - Without a seed, a random one is drawn per request, as OpenAI samples without one.
 - exo-split's own options travel in an "exo_split" object (the openai client's extra_body):
@@ -34,19 +35,17 @@ DEFAULT_MAX_TOKENS = 512  # when the request names none (capped by the context l
 MAX_STOPS = 4  # as OpenAI
 # Options we refuse unless they have their neutral value: (name, is it neutral?, why not).
 # Each would change the output; none is ever ignored (docs/api.md lists every field).
-_SAMPLER = "exo-split's one sampling rule (sampling.py) has temperature and top_p only"
+_SAMPLER = (
+    "exo-split's one sampling rule (sampling.py) has temperature, top_p, penalties "
+    "and logit_bias only"
+)
 _UNSUPPORTED = (
     ("n", lambda v: v in (None, 1), "one choice per request"),
     ("best_of", lambda v: v in (None, 1), "one choice per request"),
     ("echo", lambda v: v in (None, False), "not implemented"),
     ("suffix", lambda v: v in (None, ""), "no fill-in-the-middle"),
-    ("presence_penalty", lambda v: v in (None, 0), _SAMPLER),
-    ("frequency_penalty", lambda v: v in (None, 0), _SAMPLER),
-    ("repetition_penalty", lambda v: v in (None, 1), _SAMPLER),
-    ("logit_bias", lambda v: not v, _SAMPLER),
     ("top_k", lambda v: v in (None, 0, -1), _SAMPLER),
     ("min_p", lambda v: v in (None, 0), _SAMPLER),
-    ("min_tokens", lambda v: v in (None, 0), "end-of-turn tokens cannot be banned yet"),
     ("functions", lambda v: not v, "the legacy function API: send tools"),
     ("modalities", lambda v: v in (None, ["text"]), "text is the only output"),
     ("audio", lambda v: not v, "text is the only output"),
@@ -100,6 +99,7 @@ class CompletionRequest:
     parallel_tool_calls: bool = True
     schema: dict | None = None
     logprobs: int | None = None  # None: none; n: each token's log-probability and n more
+    adjust: dict | None = None  # penalties, logit_bias, min_tokens (sampling.Adjust)
     # exo-split's own options, in the body's "exo_split" object (the openai client's
     # extra_body): where to prefill, as POST /v1/generate takes them.
     split: dict[str, Any] = field(default_factory=dict)
@@ -154,6 +154,7 @@ class CompletionRequest:
             include_usage=stream and bool(options.get("include_usage")),
             ignore_eos=ignore_eos,
             logprobs=_logprobs(body, chat),
+            adjust=_adjust(body),
             split=_split_options(body.get("exo_split")),
             **fields,
         )
@@ -178,8 +179,43 @@ class CompletionRequest:
             ignore_eos=self.ignore_eos,
             tools=self.tools if self.calls_tools else None,
             logprobs=self.logprobs,
+            adjust=self.adjust,
             **self.split,
         )
+
+
+def _adjust(body: dict) -> dict | None:
+    """presence_penalty, frequency_penalty (-2..2), repetition_penalty (> 0), logit_bias
+    ({token id: -100..100}, at most 300) and min_tokens, as sampling.Adjust takes them."""
+    out: dict[str, Any] = {}
+    for name, key in (("presence_penalty", "presence"), ("frequency_penalty", "frequency")):
+        value = _number(body, name, 0.0, -2.0, 2.0)
+        if value:
+            out[key] = value
+    rep = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if rep == 0:
+        raise _bad("repetition_penalty must be above 0", "repetition_penalty")
+    if rep != 1.0:
+        out["repetition"] = rep
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict) or len(bias) > 300:
+            raise _bad("logit_bias must map at most 300 token ids to biases", "logit_bias")
+        out["bias"] = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isdigit()) or not (
+                isinstance(value, int | float) and not isinstance(value, bool)
+                and -100 <= value <= 100
+            ):  # fmt: skip
+                raise _bad(f"logit_bias[{key!r}] must map a token id to a number in "
+                           "[-100, 100]", "logit_bias")  # fmt: skip
+            out["bias"][int(key)] = float(value)
+    least = body.get("min_tokens")
+    if least is not None and (not _is_int(least) or least < 0):
+        raise _bad("min_tokens must be a non-negative integer", "min_tokens")
+    if least:
+        out["min_tokens"] = least
+    return out or None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
