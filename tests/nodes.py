@@ -199,12 +199,13 @@ async def tiny_decode_node(ckpt, limits=None):
 
 
 @contextlib.contextmanager
-def node_pair(model_dir, work, name: str, prefix_cache_bytes: str = "0"):
+def node_pair(model_dir, work, name: str, prefix_cache_bytes: str = "0", *args: str):
     """A torch prefill node and an MLX decode node (serving the model as `name`) on
-    127.0.0.1, ready; both stopped on the way out."""
+    127.0.0.1, ready; both stopped on the way out. `args` go to both."""
     kw = {"prefix_cache_bytes": prefix_cache_bytes}
-    prefill = NodeProcess(model_dir, "torch", work, "--no-warmup", **kw)
-    decode = NodeProcess(model_dir, "mlx", work, "--no-warmup", "--model-name", name, **kw)
+    prefill = NodeProcess(model_dir, "torch", work, "--no-warmup", *args, **kw)
+    decode = NodeProcess(model_dir, "mlx", work, "--no-warmup", "--model-name", name, *args,
+                         **kw)  # fmt: skip
     try:
         prefill.wait_ready(180)
         decode.wait_ready(180)

@@ -25,6 +25,7 @@ from exo_split.cli import (
     convert,
     demo,
     generate,
+    keys,
     node,
     nodes,
     report,
@@ -52,6 +53,7 @@ COMMANDS = (
     report.add_report,
     bench.add_bench,
     convert.add_convert_gguf,
+    keys.add_keys,
 )
 
 

@@ -117,6 +117,13 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         "(default 2G)",
     )
     g.add_argument(
+        "--keys-file",
+        type=Path,
+        metavar="FILE",
+        help="clients' API keys (exo-split keys add NAME), each with a prefix cache of its own; "
+        "re-read when it changes (default ~/.config/exo-split/keys.json if it exists)",
+    )
+    g.add_argument(
         "--busy-wait",
         type=lambda text: seconds(text, zero=True),
         default=0.0,
@@ -130,6 +137,7 @@ def cmd_node(args) -> int:
     from exo_split.node.capabilities import default_cache_dir
     from exo_split.transport.auth import copy_instructions, resolve_token
     from exo_split.transport.client import Timeouts
+    from exo_split.transport.keys import default_keys_file
     from exo_split.transport.limits import Limits
 
     token, source = resolve_token(args.token_file, dict(os.environ), create=True)
@@ -171,6 +179,7 @@ def cmd_node(args) -> int:
         staging_bytes=args.staging_bytes,
         prefix_cache_bytes=args.prefix_cache_bytes,
         header_timeout=args.header_timeout,
+        keys_file=args.keys_file or default_keys_file(),
     )
     node = Node(config, progress=say)
     asyncio.run(node.serve())

@@ -42,6 +42,7 @@ from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
 from exo_split.transport.datalink import Listener
+from exo_split.transport.keys import KeyRing
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import GenerateRequest
 
@@ -72,6 +73,7 @@ class NodeConfig:
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # finished requests' KV; 0: none
     header_timeout: float = 10.0  # a connection's time to identify itself (datalink.Guard)
+    keys_file: Path | None = None  # clients' API keys (transport/keys.py); None: none
 
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
@@ -399,6 +401,7 @@ class Node:
             timeouts=self.config.timeouts,
             die_after_layer=self.config.die_after_layer,
             prefix=self.prefix,
+            keys=KeyRing(self.config.keys_file),
         )
         if self.prefix is not None:
             state.ledger.caches.append(self.prefix)

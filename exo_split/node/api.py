@@ -13,6 +13,7 @@ follow a grammar gets its constraint compiled before the 200 (node/grammar.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from exo_split.errors import ExoSplitError, PromptTooLong
 from exo_split.node.grammar import BadGrammar
 from exo_split.node.prefill import clock
 from exo_split.spec import check_request
+from exo_split.transport.keys import scope_of
 from exo_split.transport.openai import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
@@ -32,6 +34,7 @@ from exo_split.transport.openai import (
     usage,
 )
 from exo_split.transport.server import (
+    CLIENT,
     HEARTBEAT_S,
     STATE,
     ClientGone,
@@ -70,7 +73,8 @@ async def serve(
         constraint = await _constraint(state, req, convention)
     except OpenAIError as exc:
         return error(exc)
-    gen = req.generate_request(max_tokens)
+    scope = scope_of(state.token, request.get(CLIENT, ""))  # each key's prefixes its own
+    gen = dataclasses.replace(req.generate_request(max_tokens), scope=scope)
     need = state.coordinator.kv_need(len(ids), max_tokens)
     with (
         state.coordinator.reusing(gen, ids) as checkout,

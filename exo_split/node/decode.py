@@ -43,7 +43,7 @@ from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
 from exo_split.node.receive import STAGED_FRAMES, open_sink
-from exo_split.node.timing import Piece, Remote, build_timeline
+from exo_split.node.timing import Piece, Remote, build_timeline, decode_info
 from exo_split.node.tokens import Batch, decode_events
 from exo_split.report import build_report, to_json
 from exo_split.sampling import Adjust, sample
@@ -108,7 +108,8 @@ class Coordinator:
         this before the ledger's hold): an entry it takes leaves the cache, so the ledger
         neither counts it twice nor evicts it to make room for this very request. Pass it to
         `generate`; a refused request gives it back on the way out."""
-        checkout = self.prefix.checkout(ids) if self.prefix and req.prefix_cache else None
+        on = self.prefix is not None and req.prefix_cache
+        checkout = self.prefix.checkout(ids, req.scope) if on else None
         try:
             yield checkout
         finally:
@@ -241,7 +242,7 @@ class Coordinator:
         reuse = self.prefix if req.prefix_cache else None
         held, m = None, 0
         if reuse is not None:
-            checkout = checkout or reuse.checkout(ids)
+            checkout = checkout or reuse.checkout(ids, req.scope)
             try:
                 held = await self._run(reuse.materialize, checkout, capacity=capacity)
             finally:
@@ -292,7 +293,7 @@ class Coordinator:
             ended[0] = not await self._decode(cache, first, req, stop, stats, emit_tokens,
                                               constraint, lps, adjust)  # fmt: skip
         if reuse is not None:
-            await self._keep(reuse, cache, ids + tokens)
+            await self._keep(reuse, cache, ids + tokens, req.scope)
         del cache
         stopped_by = (
             "until" if ended[0]
@@ -305,7 +306,7 @@ class Coordinator:
         k = remote.hello.get("prefill_cached_tokens", 0) if remote and remote.hello else 0
         prefix = prefix_report(m, k, len(ids) - (m if fallback or remote is None else k))
         timeline = dataclasses.replace(
-            timeline, decode=self._decode_info(stats, stopped_by), prefix=prefix
+            timeline, decode=decode_info(self.backend, stats, stopped_by), prefix=prefix
         )
         report = to_json(build_report(timeline))
         text = self.codec.detokenize(tokens)
@@ -320,12 +321,12 @@ class Coordinator:
             "report": report,
         }
 
-    async def _keep(self, reuse: PrefixCache, cache, tokens: list[int]) -> None:
+    async def _keep(self, reuse: PrefixCache, cache, tokens: list[int], scope: str) -> None:
         """Hand a finished request's cache to the prefix cache: it covers the prompt and the
         tokens fed back in (a stop or `until` may leave one more computed: trimmed)."""
         n = min(await self._run(self.backend.cache_len, cache), len(tokens))
         await self._run(self.backend.trim, cache, n)
-        reuse.put(tokens[:n], cache)
+        reuse.put(tokens[:n], cache, scope)
 
     async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint, lps,
                       adjust) -> bool:  # fmt: skip
@@ -359,25 +360,11 @@ class Coordinator:
             event["logprob"], event["top_logprobs"] = lps[i]
         return event
 
-    def _decode_info(self, stats: DecodeStats, stopped_by: str) -> dict:
-        """The report's account of the decode side: what ran, how the picks went, why it ended."""
-        quant = getattr(self.backend, "quantization", None)
-        return {
-            "backend": self.backend.name,
-            "device": self.backend.device,
-            "dtype": self.backend.dtype,
-            "quantization": quant.to_dict() if quant is not None else None,
-            "steps": stats.steps,
-            "host_checked": stats.checked,
-            "host_corrected": stats.corrected,
-            "stopped_by": stopped_by,
-        }
-
     async def _remote_with_retries(
         self, peer, req, ids, capacity, remote, emit, emit_token, held=None, start=0
     ):
         """A busy peer (503) is asked again after its Retry-After while the total wait stays
-        within `timeouts.busy_wait`; then the PeerBusy goes up like any peer failure."""
+        within `timeouts.busy_wait`, then the PeerBusy goes up like any peer failure."""
         waited = 0.0
         while True:
             try:
@@ -418,6 +405,7 @@ class Coordinator:
             start=start,
             prefix_cache=req.prefix_cache,
             keep=keep,
+            scope=req.scope,
         ).to_json()
         spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
                                wire.WireDtype.from_name(self.backend.dtype), len(ids),

@@ -290,7 +290,7 @@ async def stream_prefill(
         raise ClientGone(f"the receiver left before the stream began ({exc})") from exc
     # Our own longest cached prefix k: only [k, n) is computed, only [start, n) streamed.
     reuse = prefix if req.prefix_cache else None
-    checkout = reuse.checkout(req.token_ids) if reuse is not None else Checkout("none")
+    checkout = Checkout("none") if reuse is None else reuse.checkout(req.token_ids, req.scope)
     k = checkout.cached
     compute = prefill_chunks(backend, n - k, req.chunk)
     bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
@@ -363,7 +363,7 @@ async def stream_prefill(
         await sender.flush()
         ended = True
         if reuse is not None and kept[0] is not None:  # every frame that read it is sent
-            reuse.put(req.token_ids, kept[0])
+            reuse.put(req.token_ids, kept[0], req.scope)
         return end
     except BaseException as exc:
         progress.cancel()

@@ -51,6 +51,7 @@ class _Entry:
     used: int  # LRU tick
     pins: int = 0  # copies in progress read it: not evictable meanwhile
     floor: int = 0  # it serves prefixes of at least this many positions (sliding windows)
+    scope: str = ""  # the client it belongs to (transport/keys.py): it serves that one only
 
 
 @dataclass(eq=False)
@@ -84,15 +85,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def checkout(self, ids: Sequence[int]) -> Checkout:
-        """The best reuse for a prompt: the entry with the longest common prefix (the most
-        recent on a tie), taken, or pinned for a copy. Bookkeeping only: `materialize` it on
-        the compute thread next, or `cancel` it."""
+    def checkout(self, ids: Sequence[int], scope: str = "") -> Checkout:
+        """The best reuse for a prompt among the entries of its client's `scope`: the entry
+        with the longest common prefix (the most recent on a tie), taken, or pinned for a
+        copy. Bookkeeping only: `materialize` it on the compute thread next, or `cancel` it."""
         want = np.asarray(ids, dtype=np.int32)
         with self._lock:
             self.stats["lookups"] += 1
             best, m = None, 0
             for e in self._entries:
+                if e.scope != scope:
+                    continue  # another client's: never seen, never timed (issue 18, M6)
                 k = min(common_prefix(e.tokens, want), len(want) - 1)  # the last is computed
                 if k < e.floor:
                     continue  # it lacks the window before position k
@@ -138,7 +141,7 @@ class PrefixCache:
         if co.entry is None or not self._settle(co):
             return
         if co.how == "take":
-            self.put(co.entry.tokens, co.entry.cache)
+            self.put(co.entry.tokens, co.entry.cache, co.entry.scope)
         else:
             with self._lock:
                 co.entry.pins -= 1
@@ -148,7 +151,7 @@ class PrefixCache:
             first, co.settled = not co.settled, True
             return first
 
-    def put(self, tokens: Sequence[int], cache: Any) -> None:
+    def put(self, tokens: Sequence[int], cache: Any, scope: str = "") -> None:
         """Keep a finished request's cache (it covers exactly `tokens`); entries that are a
         prefix of it go (it holds all they do). Then evict down to the limit, LRU first."""
         t = np.asarray(tokens, dtype=np.int32)
@@ -159,12 +162,14 @@ class PrefixCache:
             for e in list(self._entries):
                 if (
                     not e.pins
+                    and e.scope == scope
                     and len(e.tokens) <= len(t)
                     and common_prefix(e.tokens, t) == len(e.tokens)
                 ):
                     self._remove(e)
             floor = getattr(self.ops, "reuse_floor", lambda c: 0)(cache)
-            self._entries.append(_Entry(t, cache, nbytes, next(self._tick), floor=floor))
+            self._entries.append(_Entry(t, cache, nbytes, next(self._tick), floor=floor,
+                                        scope=scope))  # fmt: skip
             self.nbytes += nbytes
             self._evict_locked(self.nbytes - self.limit)
 

@@ -16,6 +16,7 @@ never fit).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -31,9 +32,11 @@ from exo_split.node.openai import add_routes as add_openai_routes
 from exo_split.node.prefill import Progress, clock, stream_prefill
 from exo_split.node.prefix import PrefixCache
 from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
+from exo_split.transport.keys import scope_of
 from exo_split.transport.limits import prefill_kv_bytes
 from exo_split.transport.messages import GenerateRequest, PrefillRequest
 from exo_split.transport.server import (
+    CLIENT,
     HEARTBEAT_S,
     STATE,
     ClientGone,
@@ -188,6 +191,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await json_body(request)
     try:
         req = GenerateRequest.from_json(body)
+        req = dataclasses.replace(req, scope=scope_of(state.token, request.get(CLIENT, "")))
         ids = await state.coordinator.tokenize_off_loop(req)  # refused before the 200
         if len(ids) > state.limits.max_prompt_tokens:
             raise PromptTooLong(

@@ -91,3 +91,19 @@ def build_timeline(
         prefill_start=end["prefill_start"], prefill_end=end["prefill_end"],
         layers=layers, clock=sync, **common,
     )  # fmt: skip
+
+
+def decode_info(backend, stats, stopped_by: str) -> dict:
+    """The report's account of the decode side: what ran, how the picks went (a DecodeStats),
+    why it ended."""
+    quant = getattr(backend, "quantization", None)
+    return {
+        "backend": backend.name,
+        "device": backend.device,
+        "dtype": backend.dtype,
+        "quantization": quant.to_dict() if quant is not None else None,
+        "steps": stats.steps,
+        "host_checked": stats.checked,
+        "host_corrected": stats.corrected,
+        "stopped_by": stopped_by,
+    }

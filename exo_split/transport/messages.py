@@ -39,22 +39,29 @@ class PrefillRequest:
     # Per layer, the last prompt positions the decode side keeps (sliding windows; None: all);
     # empty: every position of every layer. The prefill node checks it against its spec.
     keep: tuple[int | None, ...] = ()
+    # The prefix-cache scope of the client behind it (transport/keys.py; "": the shared
+    # token's): the prefill node reuses and keeps prefixes within it only.
+    scope: str = ""
 
     def to_json(self) -> dict:
-        return {
-            "request_id": self.request_id,
-            "token_ids": list(self.token_ids),
-            "sampling": self.sampling.to_dict(),
-            "spec": self.spec,
-            "fingerprint": self.fingerprint,
-            "start_pos": 0,
-            "overlap": self.overlap,
-            "chunk": self.chunk,
-            "dtype": self.dtype,
-            "max_frame_bytes": self.max_frame_bytes,
-            "start": self.start,
-            "prefix_cache": self.prefix_cache,
-        } | ({"keep": list(self.keep)} if self.keep else {})
+        return (
+            {
+                "request_id": self.request_id,
+                "token_ids": list(self.token_ids),
+                "sampling": self.sampling.to_dict(),
+                "spec": self.spec,
+                "fingerprint": self.fingerprint,
+                "start_pos": 0,
+                "overlap": self.overlap,
+                "chunk": self.chunk,
+                "dtype": self.dtype,
+                "max_frame_bytes": self.max_frame_bytes,
+                "start": self.start,
+                "prefix_cache": self.prefix_cache,
+            }
+            | ({"keep": list(self.keep)} if self.keep else {})
+            | ({"scope": self.scope} if self.scope else {})
+        )
 
     @classmethod
     def from_json(cls, body: Any, *, max_tokens: int) -> PrefillRequest:
@@ -93,7 +100,11 @@ class PrefillRequest:
             k is None or (type(k) is int and k >= 1) for k in keep
         ):
             raise ValueError(f"keep must be a list of positive integers or nulls, got {keep!r}")
+        scope = body.get("scope", "")
+        if not isinstance(scope, str) or len(scope) > 64:
+            raise ValueError("scope must be a string of at most 64 characters")
         return cls(
+            scope=scope,
             keep=tuple(keep),
             max_frame_bytes=frame,
             dtype=dtype,
@@ -131,6 +142,7 @@ class GenerateRequest:
     # Penalties, logit_bias, min_tokens (sampling.Adjust's keyword arguments, token ids as
     # ints); None: the logits as the model gives them.
     adjust: dict | None = None
+    scope: str = ""  # the client's prefix-cache scope, set by the node (never by the body)
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateRequest:

@@ -32,6 +32,7 @@ from exo_split.transport.auth import (
 )
 from exo_split.transport.client import Timeouts
 from exo_split.transport.datalink import Tickets
+from exo_split.transport.keys import KeyRing
 from exo_split.transport.limits import KVLedger, Limits, Refused
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ServerState:
     stats: dict = field(default_factory=dict)  # counters shown in /v1/info
     tickets: Tickets = field(default_factory=Tickets)  # admitted prefills' data connections
     nonces: Nonces = field(default_factory=Nonces)  # handed out by /v1/hello (peer proofs)
+    keys: KeyRing = field(default_factory=lambda: KeyRing(None))  # clients' own API keys
     ledger: KVLedger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -166,21 +168,35 @@ async def auth_middleware(request: web.Request, handler):
         return refusal_response(exc, _error_body_of(request))
 
 
+# Paths a client API key opens (transport/keys.py); the rest take the shared token alone.
+CLIENT_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+                "/v1/generate")  # fmt: skip
+# request[CLIENT]: "" for the shared token, else the key's name (RequestKey: aiohttp >= 3.12)
+CLIENT = web.RequestKey("client", str) if hasattr(web, "RequestKey") else "exo_split.client"
+
+
 async def _authorized(request: web.Request, state: ServerState) -> bool:
     """A peer's proof (ExoProof: a MAC over a nonce this node handed out and the request
-    itself) or a client's `Bearer <token>` (or `x-api-key: <token>`, Anthropic's header)."""
+    itself), a client's `Bearer <token>` (or `x-api-key: <token>`, Anthropic's header), or,
+    on CLIENT_PATHS, a client's own key. Sets request[CLIENT]."""
     header = request.headers.get("Authorization")
-    if header is None and "x-api-key" in request.headers:  # Anthropic's clients send this
-        return token_matches(request.headers["x-api-key"], state.token)
     proof = parse_proof(header)
-    if proof is None:
-        return token_matches(bearer(header), state.token)
-    if not state.nonces.take(proof["ns"]):  # unknown, used or stale
-        return False
-    body = await request.read()
-    want = client_proof(state.token, proof["nc"], proof["ns"], request.method,
-                        request.raw_path, body)  # fmt: skip
-    return hmac.compare_digest(proof["mac"], want)
+    if proof is not None:
+        if not state.nonces.take(proof["ns"]):  # unknown, used or stale
+            return False
+        body = await request.read()
+        want = client_proof(state.token, proof["nc"], proof["ns"], request.method,
+                            request.raw_path, body)  # fmt: skip
+        request[CLIENT] = ""
+        return hmac.compare_digest(proof["mac"], want)
+    presented = bearer(header) if header is not None else request.headers.get("x-api-key")
+    if token_matches(presented, state.token):
+        request[CLIENT] = ""
+        return True
+    if request.path.startswith(CLIENT_PATHS) and (name := state.keys.match(presented)):
+        request[CLIENT] = name
+        return True
+    return False
 
 
 async def hello(request: web.Request) -> web.Response:
