@@ -46,9 +46,11 @@ class TextStream:
     so far for each token instead.
     """
 
-    def __init__(self, codec: TextCodec):
-        self._codec = codec
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=True)
+    def __init__(self, codec: TextCodec, *, specials: bool = False):
+        """`specials`: keep control tokens' text (a tool call's marker may be one, as
+        Mistral's [TOOL_CALLS] is); `detokenize` drops them."""
+        self._codec, self._skip = codec, not specials
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=self._skip)
         self._ids: list[int] = []
         self._emitted = 0  # characters handed out so far
 
@@ -62,7 +64,7 @@ class TextStream:
             else:
                 self._emitted += len(piece)
                 return piece
-        text = self._codec.detokenize(self._ids)
+        text = self._codec._tok.decode(self._ids, skip_special_tokens=self._skip)
         if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
             return ""
         piece, self._emitted = text[self._emitted :], len(text)

@@ -24,6 +24,7 @@ from exo_split.errors import ExoSplitError, PromptTooLong
 from exo_split.node.grammar import BadGrammar
 from exo_split.node.prefill import clock
 from exo_split.spec import check_request
+from exo_split.tokenizer import TextStream
 from exo_split.transport.keys import scope_of
 from exo_split.transport.openai import (
     DEFAULT_MAX_TOKENS,
@@ -301,21 +302,13 @@ class _Tools:
     def __init__(self, state, req: CompletionRequest, convention: Convention):
         self.chat, self.convention, self.tools = state.coordinator.chat, convention, req.tools
         self.eos = state.coordinator.codec.eos_ids
-        self.ids: list[int] = []
-        self.raw = ""
+        self.text = TextStream(state.coordinator.codec, specials=True)
         self.stream = ToolStream(convention)
         self.calls: list = []
 
     def push(self, token: int) -> str:
         """The content this token releases."""
-        if token in self.eos:
-            return ""
-        self.ids.append(token)
-        text = self.chat.raw_text(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
-            return ""
-        piece, self.raw = text[len(self.raw) :], text
-        return self.stream.push(piece)
+        return "" if token in self.eos else self.stream.push(self.text.push(token))
 
     def finish(self, done: dict) -> str:
         """The content of the whole answer; `calls` holds its tool calls."""
