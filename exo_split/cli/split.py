@@ -193,7 +193,7 @@ def add_request_options(p, *, max_tokens: int = 64) -> None:
 def find_decode(args) -> tuple[str, str | None, Roles | None]:
     """(the decode node's URL, the shared token, the nodes found or None): --decode-peer, or
     the nodes found by mDNS and --peer / $EXO_SPLIT_PEERS."""
-    from exo_split.node.agent import peer_url
+    from exo_split.discovery.peers import peer_url
     from exo_split.transport.auth import resolve_token
 
     token, _ = resolve_token(args.token_file, dict(os.environ), create=False)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from exo_split import PROTOCOL_VERSION
+from exo_split.errors import ExoSplitError
 
 BACKENDS = ("torch", "mlx")
 DEVICES = ("cuda", "metal", "mps", "cpu")
@@ -339,3 +340,15 @@ def choose_pair(
         raise ValueError(f"nodes serve several models equally: {listed}; name one")
     best = ranked[0]
     return (best, *choose_roles(models[best], best))
+
+
+def peer_url(addr: str) -> str:
+    """'host:port' (or a URL) -> 'http://host:port'."""
+    if addr.startswith(("http://", "https://")):
+        return addr.rstrip("/")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ExoSplitError(f"bad peer address {addr!r}: expected HOST:PORT")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

@@ -31,12 +31,14 @@ from exo_split import PROTOCOL_VERSION, __version__
 from exo_split.backends import load_backend
 from exo_split.chat import ChatTemplate, has_chat_template
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
+from exo_split.discovery.peers import peer_url
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
 from exo_split.node import policy
-from exo_split.node.capabilities import Speeds, node_speeds, probe_link
+from exo_split.node.capabilities import Speeds, node_speeds, probe_link, save_cached
 from exo_split.node.decode import Coordinator
 from exo_split.node.grammar import Grammars
+from exo_split.node.learn import Learned
 from exo_split.node.prefix import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from exo_split.node.routes import NodeState, make_app
 from exo_split.tokenizer import TextCodec
@@ -90,18 +92,6 @@ def name_thread(name: str) -> None:
             ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
-def peer_url(addr: str) -> str:
-    """'host:port' (or a URL) -> 'http://host:port'."""
-    if addr.startswith(("http://", "https://")):
-        return addr.rstrip("/")
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ExoSplitError(f"bad peer address {addr!r}: expected HOST:PORT")
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
-
-
 class Node:
     def __init__(self, config: NodeConfig, *, progress: Callable[[str], None] = print):
         self.config = config
@@ -126,6 +116,8 @@ class Node:
         self.progress(f"{self._weights()}; decode graph warmed in {self.warm_s:.2f} s")
         self.speeds = self._measure_speeds()
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
+        # Prefill speeds learned from real requests (node/learn.py), the probe as the prior.
+        self.learned = Learned(self.speeds.prefill_tps if self.speeds else None)
         self.untrusted: dict[str, float] = {}  # peer URL -> when it failed its token proof
         self._info: dict | None = None
         self.presence = Presence(
@@ -206,7 +198,7 @@ class Node:
             device=self.backend.device,
             model=(self.spec.name or self.config.model_dir.name or "model")[:100],
             fingerprint=self.spec.fingerprint,
-            prefill_tps=self.speeds.prefill_tps if self.speeds else None,
+            prefill_tps=self.learned.local.headline(),
             decode_tps=self.speeds.decode_tps if self.speeds else None,
             quantization=self.quantization.tag if self.quantization is not None else None,
         )
@@ -252,6 +244,7 @@ class Node:
             }
             self._info["peers"] = self.presence.known()
             self._info["links"] = {url: vars(link) for url, link in self.links.items()}
+            self._info["learned_prefill_tps"] = self.learned.to_dict()
 
     async def choose_prefill_peer(
         self, req: GenerateRequest, prompt_len: int
@@ -287,7 +280,7 @@ class Node:
             try:
                 # A named peer is used whatever the estimates say: no probe on its path.
                 probe = named is None and req.prefill != "local"
-                figures = await self._figures(url, peer, req, probe=probe)
+                figures = await self._figures(url, peer, req, prompt_len, probe=probe)
                 break
             except PeerUnavailable as exc:
                 log.warning("prefill peer %s unusable: %s", url, exc)
@@ -301,13 +294,17 @@ class Node:
                 if named is None and req.prefill == "auto":
                     url, unreachable = None, str(exc)
                 else:  # asked for: let the coordinator try it (and fall back if it must)
-                    figures = self._figures_without_link(peer, req)
+                    figures = self._figures_without_link(url, peer, req, prompt_len)
                 break
         if url is not None and figures is not None:
             unreachable = None
         mode = "remote" if named is not None and req.prefill != "local" else req.prefill
         decision = policy.decide(prompt_len, figures, mode=mode).to_dict()
         decision["mode"] = req.prefill
+        if figures is not None:
+            decision["figure_sources"] = self.learned.sources(url, peer, prompt_len)
+            if named is None and mode == "auto" and decision["choice"] == "local":
+                decision |= self.learned.explore(url, prompt_len)
         if named is not None and req.prefill != "local":
             decision["reason"] = "prefill peer named in the request"
         if unreachable is not None:
@@ -321,10 +318,10 @@ class Node:
         decision["decided_in_s"] = time.perf_counter() - t0
         return (url if decision["choice"] == "remote" else None), decision
 
-    def _figures_without_link(self, peer: PeerInfo | None, req: GenerateRequest):
+    def _figures_without_link(self, url, peer: PeerInfo | None, req: GenerateRequest, n: int):
         return policy.figures_for(
-            local_prefill_tps=self.speeds.prefill_tps if self.speeds else None,
-            peer_prefill_tps=peer.prefill_tps if peer is not None else None,
+            local_prefill_tps=self.learned.local.value(n)[0],
+            peer_prefill_tps=self.learned.peer(url, peer).value(n)[0],
             link=None,
             kv_bytes_per_token=policy.kv_bytes_per_token(
                 self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim, self.backend.dtype
@@ -334,13 +331,13 @@ class Node:
         )
 
     async def _figures(
-        self, url: str, peer: PeerInfo | None, req: GenerateRequest, *, probe: bool = True
+        self, url: str, peer: PeerInfo | None, req: GenerateRequest, n: int, *, probe: bool = True
     ) -> policy.Figures:
         """The policy's inputs for the peer at `url`; probes the link the first time
         (unless `probe` is False: then the link figures stay unknown)."""
         link = self.links.get(url)
         if link is None and not probe:
-            return self._figures_without_link(peer, req)
+            return self._figures_without_link(url, peer, req, n)
         if link is None:
             link = await probe_link(
                 self.session(), url, self.config.token, timeout=self.config.timeouts.connect
@@ -348,11 +345,25 @@ class Node:
             self.links[url] = link
             self._refresh_info()
         return dataclasses.replace(
-            self._figures_without_link(peer, req),
+            self._figures_without_link(url, peer, req, n),
             link_bytes_per_s=link.bytes_per_s,
             round_trip_s=link.round_trip_s,
             overhead_s=link.overhead_s,
         )
+
+    def _prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill this node served: a real speed that moved replaces the probe's in what
+        the node advertises (mDNS, /v1/info) and caches (node/learn.py)."""
+        now = self.learned.served(tokens, seconds)
+        if now is not None and self._info is not None:
+            self._info["capabilities"]["prefill_tps"] = now
+        if now is not None and self.presence.advertiser is not None:
+            asyncio.ensure_future(self.presence.advertiser.update(prefill_tps=now))
+        if now is not None and self.speeds is not None and self.config.cache_dir is not None:
+            with contextlib.suppress(OSError):
+                save_cached(
+                    self.config.cache_dir, dataclasses.replace(self.speeds, prefill_tps=now)
+                )
 
     def _learn(self, done: dict) -> None:
         """After a request: learn the link from a remote transfer, and put the measured
@@ -370,6 +381,7 @@ class Node:
             if learned is not None:
                 self.links[url] = learned
                 self._refresh_info()
+        self.learned.observe(report, url if decision.get("choice") == "remote" else None)
         outcome = policy.with_outcome(decision, report)
         report["decision"] = outcome
         if isinstance(report.get("timeline"), dict):
@@ -402,6 +414,7 @@ class Node:
             die_after_layer=self.config.die_after_layer,
             prefix=self.prefix,
             keys=KeyRing(self.config.keys_file),
+            on_prefilled=self._prefilled,
         )
         if self.prefix is not None:
             state.ledger.caches.append(self.prefix)

@@ -59,6 +59,7 @@ class Progress:
     cancelled_at: float | None = None
     stopped_at: float | None = None  # when the compute thread let go of the request
     inflight_peak: int = 0  # the most KV bytes handed to the sender and not yet on the wire
+    tokens: int = 0  # prompt positions this prefill computes (not reused from the prefix cache)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -292,6 +293,7 @@ async def stream_prefill(
     reuse = prefix if req.prefix_cache else None
     checkout = Checkout("none") if reuse is None else reuse.checkout(req.token_ids, req.scope)
     k = checkout.cached
+    progress.tokens = n - k
     compute = prefill_chunks(backend, n - k, req.chunk)
     bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)

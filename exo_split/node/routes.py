@@ -70,6 +70,7 @@ class NodeState(ServerState):
     started: int = 0  # when the node started (Unix seconds): the model's `created`
     die_after_layer: int | None = None  # test hook, docs/reliability.md
     prefix: PrefixCache | None = None  # the node's prefix cache (None: off)
+    on_prefilled: Any = None  # (tokens computed, seconds) after each served prefill
 
 
 async def info(request: web.Request) -> web.Response:
@@ -135,13 +136,15 @@ async def prefill(request: web.Request) -> web.StreamResponse:
         progress = Progress()
         state.count("prefills")
         try:
-            await stream_prefill(
+            end = await stream_prefill(
                 state.backend, state.executor, req, conn, hello=hello,
                 timeout=state.timeouts.idle, max_frame_bytes=limits.max_frame_bytes,
                 inflight_bytes=limits.max_inflight_bytes, progress=progress,
                 die_after_layer=state.die_after_layer, prefix=state.prefix,
             )  # fmt: skip
             conn.close()
+            if state.on_prefilled is not None:  # what this node's speed really is (learn.py)
+                state.on_prefilled(progress.tokens, end["prefill_end"] - end["prefill_start"])
         except ClientGone as exc:
             state.count("prefills_cancelled")
             state.stats["last_cancel"] = progress.summary()
