@@ -229,17 +229,29 @@ def decode_steps(
         adjust.accept(first_token)
     sampler = GraphSampler(model.args.vocab_size, sampling)
     greedy = sampling.temperature == 0.0
+    # Graphs are built on the decode stream, inside each builder: the generator may be
+    # suspended between tokens while other jobs run on the thread (node/tokens.py), so no
+    # stream context stays open across a yield.
+    stream = decode_stream()
 
     def build(token: mx.array, step: int) -> _Step:
-        logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
-        st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
-        st.raw = logits if logprobs is not None else None
-        if constraint is None and adjust is None:
-            return pick(st)
-        mx.async_eval(logits)  # the forward runs while the host reads the last token
+        """Queue step `step`'s forward on `token` ([1]; or a sampled pick's [1, 2] output,
+        whose first column it is)."""
+        with mx.stream(stream):
+            token = token[:, 0] if token.ndim == 2 else token
+            logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
+            st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
+            st.raw = logits if logprobs is not None else None
+            if constraint is None and adjust is None:
+                return pick(st)
+            mx.async_eval(logits)  # the forward runs while the host reads the last token
         return st
 
     def pick(st: _Step) -> _Step:
+        with mx.stream(stream):
+            return _pick(st)
+
+    def _pick(st: _Step) -> _Step:
         """Queue the step's pick (under the constraint's mask for it, if any)."""
         if adjust is not None:
             z = st.logits.astype(mx.float32)
@@ -264,45 +276,43 @@ def decode_steps(
 
     cur = pending = None
     try:
-        with mx.stream(decode_stream()):
-            cur = build(mx.array([first_token], mx.int32), start)
+        cur = build(mx.array([first_token], mx.int32), start)
+        if cur.out is None:
+            pick(cur)
+        while True:
+            pending = None
+            if cur.step + 1 < max_tokens:  # queue the next step before reading this one
+                pending = build(cur.out, cur.step + 1)
+            if greedy:
+                token = cur.out.item()
+            else:
+                token, flagged = cur.out[0].tolist()
+                if flagged:
+                    graph_token, token = token, _host_check(cur, token, sampling, stats)
+                    if pending is not None and token != graph_token:
+                        _settle(pending)  # it ran on the graph's token: undo it
+                        for c in cache:
+                            c.trim(1)
+                        pending = build(mx.array([token], mx.int32), cur.step + 1)
+            stats.steps += 1
+            if constraint is not None:
+                constraint.accept(token)
+            if adjust is not None:
+                adjust.accept(token)
+            if logprobs is not None:
+                logprobs.append(_read_logprobs(cur, token, top_logprobs))
+            yield token
+            if pending is None or token in stop_ids:
+                break
+            if constraint is not None and constraint.done:
+                break
+            if should_stop is not None and should_stop():
+                break
+            if cur.step % CLEAR_EVERY == 0:
+                mx.clear_cache()
+            cur = pending
             if cur.out is None:
                 pick(cur)
-            while True:
-                pending = None
-                if cur.step + 1 < max_tokens:  # queue the next step before reading this one
-                    feed = cur.out if greedy else cur.out[:, 0]
-                    pending = build(feed, cur.step + 1)
-                if greedy:
-                    token = cur.out.item()
-                else:
-                    token, flagged = cur.out[0].tolist()
-                    if flagged:
-                        graph_token, token = token, _host_check(cur, token, sampling, stats)
-                        if pending is not None and token != graph_token:
-                            _settle(pending)  # it ran on the graph's token: undo it
-                            for c in cache:
-                                c.trim(1)
-                            pending = build(mx.array([token], mx.int32), cur.step + 1)
-                stats.steps += 1
-                if constraint is not None:
-                    constraint.accept(token)
-                if adjust is not None:
-                    adjust.accept(token)
-                if logprobs is not None:
-                    logprobs.append(_read_logprobs(cur, token, top_logprobs))
-                yield token
-                if pending is None or token in stop_ids:
-                    break
-                if constraint is not None and constraint.done:
-                    break
-                if should_stop is not None and should_stop():
-                    break
-                if cur.step % CLEAR_EVERY == 0:
-                    mx.clear_cache()
-                cur = pending
-                if cur.out is None:
-                    pick(cur)
     finally:
         if pending is not None:
             _settle(pending)  # still writing into the cache: let it finish

@@ -1,0 +1,76 @@
+"""A request that arrives while others decode is served beside them (node/tokens.py's decode
+slices), not after them: asserted by the order of the stream events, never by a clock.
+
+Local prefill (a node in this process) and remote prefill (two real nodes: the newcomer's
+KV streams in while the first request keeps decoding), each newcomer's text equal to its
+solo run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from nodes import TOKEN, node_pair, tiny_decode_node
+
+pytestmark = pytest.mark.timeout(300)
+
+LONG = 240  # the first request's tokens: far more than the newcomers need to start
+
+
+async def _stream(client, prompt, n, log, who, extra=None):
+    """Stream a completion, logging (who, "token") per chunk with text and (who, "done")."""
+    text = ""
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                             temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, **(extra or {})})  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            text += chunk.choices[0].text
+            log.append((who, "token"))
+    log.append((who, "done"))
+    return text
+
+
+async def _scenario(url, extra=None):
+    """A decodes LONG tokens; once A has streamed some, B and C arrive. Returns the event log
+    and the texts, then each newcomer's solo text."""
+    log: list[tuple[str, str]] = []
+    prompts = {"A": list(range(3, 40)), "B": list(range(50, 90)), "C": list(range(100, 130))}
+    async with openai.AsyncOpenAI(base_url=url, api_key=TOKEN, max_retries=0) as c:
+        a = asyncio.ensure_future(_stream(c, prompts["A"], LONG, log, "A", extra))
+        for _ in range(20_000):  # until A has streamed a few tokens (bounded)
+            if sum(1 for who, _ in log if who == "A") >= 5 or a.done():
+                break
+            await asyncio.sleep(0.005)
+        b = asyncio.ensure_future(_stream(c, prompts["B"], 8, log, "B", extra))
+        cc = asyncio.ensure_future(_stream(c, prompts["C"], 8, log, "C", extra))
+        texts = dict(zip("ABC", await asyncio.gather(a, b, cc), strict=True))
+        solo = {w: await _stream(c, prompts[w], 8, [], w, extra) for w in "BC"}
+    return log, texts, solo
+
+
+def _check(log, texts, solo):
+    a_done = log.index(("A", "done"))
+    for who in "BC":
+        first = log.index((who, "token"))
+        assert first < a_done, f"{who} waited for A to finish"
+        assert log.index((who, "done")) < a_done  # B and C finish while A still decodes
+        assert texts[who] == solo[who]  # beside A, the same text as alone
+    assert sum(1 for w, k in log if w == "A" and k == "token") > 20
+
+
+def test_newcomers_decode_beside_a_long_request_local_prefill(llama):
+    async def go():
+        async with tiny_decode_node(llama) as url:
+            return await _scenario(url)
+
+    _check(*asyncio.run(go()))
+
+
+def test_newcomers_kv_streams_in_while_a_long_request_decodes(llama, tmp_path):
+    with node_pair(llama, tmp_path, "tiny") as (prefill, decode):
+        remote = {"exo_split": {"prefill": "remote", "prefill_peer": prefill.addr,
+                                "fallback": "none"}}  # fmt: skip
+        _check(*asyncio.run(_scenario(f"{decode.url}/v1", remote)))
