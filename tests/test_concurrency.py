@@ -74,3 +74,26 @@ def test_newcomers_kv_streams_in_while_a_long_request_decodes(llama, tmp_path):
         remote = {"exo_split": {"prefill": "remote", "prefill_peer": prefill.addr,
                                 "fallback": "none"}}  # fmt: skip
         _check(*asyncio.run(_scenario(f"{decode.url}/v1", remote)))
+
+
+def test_a_local_prefill_in_slices_equals_transformers(llama, monkeypatch):
+    """A local prefill runs as jobs of LOCAL_SLICE positions (each a point where other
+    requests' decode slices run): made small here, a 700-token prompt takes 11 of them, and
+    the answer still equals transformers' greedy answer on the same weights."""
+    from reference import reference_generate
+
+    from exo_split.node import decode
+    from exo_split.tokenizer import TextCodec
+
+    monkeypatch.setattr(decode, "LOCAL_SLICE", 64)
+    prompt = [3 + (i * 11) % 500 for i in range(700)]
+
+    async def go():
+        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+            base_url=url, api_key=TOKEN, max_retries=0
+        ) as c:  # fmt: skip
+            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                           temperature=0)  # fmt: skip
+            return r.choices[0].text
+
+    assert asyncio.run(go()) == TextCodec(llama).detokenize(reference_generate(llama, prompt, 6))

@@ -59,6 +59,7 @@ clock = time.perf_counter
 Emit = Callable[[dict], Awaitable[None]]
 EmitMany = Callable[[list[dict]], Awaitable[None]]  # several events, in order, in one write
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
+LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill
 
 
 class Coordinator:
@@ -274,14 +275,14 @@ class Coordinator:
                 await emit({"type": "fallback", "reason": str(exc)})
         local_start = clock()
         if cache is None:
-            done = await self._run(
-                self.backend.prefill,
-                pre,
-                chunk=req.chunk,
-                capacity=capacity,
-                should_stop=stop.is_set,
-                **({"cache": held} if held is not None else {}),
-            )
+            done = None
+            # In slices of LOCAL_SLICE positions, each a job of its own: the compute thread
+            # runs other requests' decode slices between them (node/tokens.py).
+            for end in [*range(m + LOCAL_SLICE, len(pre), LOCAL_SLICE), len(pre)]:
+                kept = {"cache": held} if held is not None else {}
+                done = await self._run(self.backend.prefill, pre[:end], chunk=req.chunk,
+                                       capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
+                held = done.cache
             cache = done.cache
             if not tokens and not own:
                 await emit_token(sample(done.logits, req.sampling, 0)[0])
