@@ -188,6 +188,14 @@ class Cancelled(Exception):
     """A prefill was stopped by its `should_stop` callback."""
 
 
+def take(token: int, *takers) -> None:
+    """Hand a picked token to what follows the sequence (a Constraint, a sampling.Adjust;
+    None: absent), as every decode loop must before its next pick."""
+    for taker in takers:
+        if taker is not None:
+            taker.accept(token)
+
+
 def serial_decode(
     backend: Any,
     cache: Any,
@@ -208,10 +216,8 @@ def serial_decode(
     host (a constraint's mask applied there). What a backend without a pipelined loop uses
     (torch)."""
     token = first_token
-    if constraint is not None and start > 0:
-        constraint.accept(token)
-    if adjust is not None and start > 0:
-        adjust.accept(token)
+    if start > 0:
+        take(token, constraint, adjust)
     for step in range(start, max_tokens):
         if step > 0 and token in stop_ids or (should_stop is not None and should_stop()):
             return
@@ -223,10 +229,7 @@ def serial_decode(
         if constraint is not None:
             logits = np.where(constraint.allowed(), logits, -np.inf).astype(np.float32)
         token = pick(logits, sampling, step)
-        if constraint is not None:
-            constraint.accept(token)
-        if adjust is not None:
-            adjust.accept(token)
+        take(token, constraint, adjust)
         if logprobs is not None:
             logprobs.append(logprobs_of(raw, token, top_logprobs))
         if stats is not None:

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache
 
-from exo_split.backends.base import Constraint, DecodeStats
+from exo_split.backends.base import Constraint, DecodeStats, take
 from exo_split.sampling import Adjust, Sampling, logprobs_of, pick, uniform
 
 ULP = 2.0**-24  # float32's unit roundoff
@@ -223,10 +223,8 @@ def decode_steps(
     stats = stats if stats is not None else DecodeStats()
     if max_tokens <= start or (start > 0 and first_token in stop_ids):
         return
-    if constraint is not None and start > 0:
-        constraint.accept(first_token)
-    if adjust is not None and start > 0:
-        adjust.accept(first_token)
+    if start > 0:
+        take(first_token, constraint, adjust)
     sampler = GraphSampler(model.args.vocab_size, sampling)
     greedy = sampling.temperature == 0.0
     # Graphs are built on the decode stream, inside each builder: the generator may be
@@ -295,10 +293,7 @@ def decode_steps(
                             c.trim(1)
                         pending = build(mx.array([token], mx.int32), cur.step + 1)
             stats.steps += 1
-            if constraint is not None:
-                constraint.accept(token)
-            if adjust is not None:
-                adjust.accept(token)
+            take(token, constraint, adjust)
             if logprobs is not None:
                 logprobs.append(_read_logprobs(cur, token, top_logprobs))
             yield token
