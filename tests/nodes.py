@@ -186,7 +186,8 @@ async def tiny_decode_node(ckpt, limits=None):
                                                            TextCodec(ckpt).eos_ids))  # fmt: skip
     state = NodeState(node_id="tiny", spec=backend.spec, backend=backend, executor=executor,
                       token=TOKEN, limits=limits, coordinator=coordinator, info={},
-                      timeouts=timeouts, model_id="tiny")  # fmt: skip
+                      timeouts=timeouts, model_id="tiny", batch=coordinator.batch.batcher)  # fmt: skip
+    coordinator.count_in(state.ledger)
     runner = web.AppRunner(make_app(state), shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -9,7 +9,7 @@ a backend as float32 numpy arrays, and every token is picked by sampling.py's on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,6 +39,7 @@ class DecodeStats:
     steps: int = 0
     checked: int = 0
     corrected: int = 0
+    sizes: list[int] = field(default_factory=list)  # batched: the batch's size at each step
 
 
 class Constraint(Protocol):

@@ -36,10 +36,10 @@ from mlx_lm.utils import load_model
 
 from exo_split import families
 from exo_split.backends import mlx_decode
-from exo_split.backends.base import Cancelled, DecodeStats, OnLayer, Prefilled
+from exo_split.backends.base import Cancelled, OnLayer, Prefilled
+from exo_split.backends.mlx_batch import Batcher
 from exo_split.errors import BadCheckpoint
 from exo_split.kv import LayerKV, chunk_sizes, window_floor
-from exo_split.sampling import Sampling
 from exo_split.spec import ModelSpec, Quantization, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -351,22 +351,15 @@ class MLXBackend:
         logits = self._logits(mx.array([[token_id]]), cache)
         return np.array(logits.astype(mx.float32))
 
-    def decode(
-        self,
-        cache: list[KVCache],
-        first_token: int,
-        *,
-        max_tokens: int,
-        sampling: Sampling,
-        stop_ids: frozenset[int] = frozenset(),
-        should_stop: Callable[[], bool] | None = None,
-        stats: DecodeStats | None = None,
-        **kw,
-    ):  # constraint, start, logprobs, top_logprobs: mlx_decode.decode_steps's
-        return mlx_decode.decode_steps(
-            self.model, cache, first_token, max_tokens=max_tokens, sampling=sampling,
-            stop_ids=stop_ids, should_stop=should_stop, stats=stats, **kw,
-        )  # fmt: skip
+    def decode(self, cache: list[KVCache], first_token: int, **kw):
+        """mlx_decode.decode_steps on this model (its keywords)."""
+        return mlx_decode.decode_steps(self.model, cache, first_token, **kw)
+
+    def batcher(self) -> Batcher | None:
+        """A decode batch for this model (backends/mlx_batch.py); None with sliding layers."""
+        if any(k is not None for k in self.window_keep):
+            return None
+        return Batcher(self.model, lambda i: _StreamingKVCache(i, None))
 
     def close(self) -> None:
         """On the compute thread, before it exits: MLX's streams go cleanly."""

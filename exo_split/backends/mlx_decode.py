@@ -183,11 +183,83 @@ def blocked_sum(x: mx.array, block: int) -> mx.array:
 @dataclass
 class _Step:
     step: int
-    out: mx.array | None  # greedy: uint32 [1]; sampled: int32 [1, 2] (token, flag)
+    out: mx.array | None  # int32 [1, 2]: (token, flag); flag 1: the host must decide
     logits: mx.array | None  # kept when the host may have to redo the pick
     u: float | None
     raw: mx.array | None = None  # the model's logits, when log-probabilities are wanted
     lp: tuple | None = None  # (the token's, the top ids, theirs), queued with the pick
+
+
+class Picker:
+    """One sequence's pick, in the graph: the rule (GraphSampler), its adjustments and its
+    constraint's mask, the log-probabilities; and on the host, each step's token read back,
+    redone when the graph flagged it, and taken (constraint, adjustments, logprobs). The solo
+    loop (`decode_steps`) and the batched one (mlx_batch.py) both pick through it, a row of
+    the batch's logits each."""
+
+    def __init__(self, vocab_size: int, sampling: Sampling, *, constraint: Constraint | None,
+                 adjust: Adjust | None, logprobs: list | None, top_logprobs: int,
+                 stats: DecodeStats):  # fmt: skip
+        self.sampling, self.constraint, self.adjust = sampling, constraint, adjust
+        self.logprobs, self.top_logprobs, self.stats = logprobs, top_logprobs, stats
+        self.sampler = GraphSampler(vocab_size, sampling)
+        self.greedy = sampling.temperature == 0.0
+        # Without a mask or adjustments the pick is queued with the forward; with them it
+        # waits for the previous token (taken on the host) while the forward runs.
+        self.immediate = constraint is None and adjust is None
+
+    def start(self, step: int, logits: mx.array) -> _Step:
+        """A step whose forward gave `logits` [1, V]; call on the decode stream."""
+        st = _Step(step, None, logits, None if self.greedy else uniform(self.sampling.seed, step))
+        st.raw = logits if self.logprobs is not None else None
+        if self.immediate:
+            self.pick(st)
+        else:
+            mx.async_eval(logits)  # the forward runs while the host reads the last token
+        return st
+
+    def pick(self, st: _Step) -> None:
+        """Queue the step's pick (under the constraint's mask for it, if any); call on the
+        decode stream, once every token before the step's has been taken."""
+        adjust, constraint = self.adjust, self.constraint
+        if adjust is not None:
+            z = st.logits.astype(mx.float32)
+            if adjust.repetition != 1.0:
+                r, seen = mx.array(adjust.repetition), mx.array(adjust.seen)
+                z = mx.where(seen, mx.where(z > 0, z / r, z * r), z)
+            st.logits = z + mx.array(adjust.additive())
+        if constraint is not None:
+            allowed = mx.array(constraint.allowed())
+            st.logits = mx.where(allowed, st.logits, mx.array(-mx.inf, st.logits.dtype))
+        if self.greedy:
+            token = self.sampler.pick(st.logits, None).astype(mx.int32)
+            st.out = mx.stack([token, mx.zeros_like(token)], axis=-1)
+            st.logits = None
+            mx.async_eval(st.out)
+        else:
+            st.out = self.sampler.pick(st.logits, mx.array([st.u], mx.float32))
+            mx.async_eval(st.out, st.logits)
+        if st.raw is not None:
+            st.lp = _graph_logprobs(st.raw, st.out[:, 0], self.top_logprobs)
+            mx.async_eval(*st.lp)
+
+    def settle(self, st: _Step, token: int, flagged: int) -> int:
+        """The step's token: the graph's, or where it flagged the step, the host rule's."""
+        if not flagged:
+            return token
+        return _host_check(st, token, self.sampling, self.stats)
+
+    def accept(self, st: _Step, token: int) -> None:
+        """The step's token is final: count it, hand it to the constraint and adjustments,
+        and record its log-probabilities (before it is yielded)."""
+        self.stats.steps += 1
+        take(token, self.constraint, self.adjust)
+        if self.logprobs is not None:
+            self.logprobs.append(_read_logprobs(st, token, self.top_logprobs))
+
+    @property
+    def finished(self) -> bool:
+        return self.constraint is not None and self.constraint.done
 
 
 def decode_steps(
@@ -225,52 +297,23 @@ def decode_steps(
         return
     if start > 0:
         take(first_token, constraint, adjust)
-    sampler = GraphSampler(model.args.vocab_size, sampling)
-    greedy = sampling.temperature == 0.0
+    picker = Picker(model.args.vocab_size, sampling, constraint=constraint, adjust=adjust,
+                    logprobs=logprobs, top_logprobs=top_logprobs, stats=stats)  # fmt: skip
     # Graphs are built on the decode stream, inside each builder: the generator may be
     # suspended between tokens while other jobs run on the thread (node/tokens.py), so no
     # stream context stays open across a yield.
     stream = decode_stream()
 
     def build(token: mx.array, step: int) -> _Step:
-        """Queue step `step`'s forward on `token` ([1]; or a sampled pick's [1, 2] output,
-        whose first column it is)."""
+        """Queue step `step`'s forward on `token` ([1]; or a pick's [1, 2] output, whose
+        first column it is)."""
         with mx.stream(stream):
             token = token[:, 0] if token.ndim == 2 else token
-            logits = model(token.reshape(1, 1), cache=cache)[:, -1, :]
-            st = _Step(step, None, logits, None if greedy else uniform(sampling.seed, step))
-            st.raw = logits if logprobs is not None else None
-            if constraint is None and adjust is None:
-                return pick(st)
-            mx.async_eval(logits)  # the forward runs while the host reads the last token
-        return st
+            return picker.start(step, model(token.reshape(1, 1), cache=cache)[:, -1, :])
 
-    def pick(st: _Step) -> _Step:
+    def pick(st: _Step) -> None:
         with mx.stream(stream):
-            return _pick(st)
-
-    def _pick(st: _Step) -> _Step:
-        """Queue the step's pick (under the constraint's mask for it, if any)."""
-        if adjust is not None:
-            z = st.logits.astype(mx.float32)
-            if adjust.repetition != 1.0:
-                r, seen = mx.array(adjust.repetition), mx.array(adjust.seen)
-                z = mx.where(seen, mx.where(z > 0, z / r, z * r), z)
-            st.logits = z + mx.array(adjust.additive())
-        if constraint is not None:
-            allowed = mx.array(constraint.allowed())
-            st.logits = mx.where(allowed, st.logits, mx.array(-mx.inf, st.logits.dtype))
-        if greedy:
-            st.out = sampler.pick(st.logits, None)
-            st.logits = None
-            mx.async_eval(st.out)
-        else:
-            st.out = sampler.pick(st.logits, mx.array([st.u], mx.float32))
-            mx.async_eval(st.out, st.logits)
-        if st.raw is not None:
-            st.lp = _graph_logprobs(st.raw, st.out if greedy else st.out[:, 0], top_logprobs)
-            mx.async_eval(*st.lp)
-        return st
+            picker.pick(st)
 
     cur = pending = None
     try:
@@ -281,25 +324,16 @@ def decode_steps(
             pending = None
             if cur.step + 1 < max_tokens:  # queue the next step before reading this one
                 pending = build(cur.out, cur.step + 1)
-            if greedy:
-                token = cur.out.item()
-            else:
-                token, flagged = cur.out[0].tolist()
-                if flagged:
-                    graph_token, token = token, _host_check(cur, token, sampling, stats)
-                    if pending is not None and token != graph_token:
-                        _settle(pending)  # it ran on the graph's token: undo it
-                        for c in cache:
-                            c.trim(1)
-                        pending = build(mx.array([token], mx.int32), cur.step + 1)
-            stats.steps += 1
-            take(token, constraint, adjust)
-            if logprobs is not None:
-                logprobs.append(_read_logprobs(cur, token, top_logprobs))
+            graph_token, flagged = cur.out[0].tolist()
+            token = picker.settle(cur, graph_token, flagged)
+            if pending is not None and token != graph_token:
+                _settle(pending)  # it ran on the graph's token: undo it
+                for c in cache:
+                    c.trim(1)
+                pending = build(mx.array([token], mx.int32), cur.step + 1)
+            picker.accept(cur, token)
             yield token
-            if pending is None or token in stop_ids:
-                break
-            if constraint is not None and constraint.done:
+            if pending is None or token in stop_ids or picker.finished:
                 break
             if should_stop is not None and should_stop():
                 break
@@ -328,7 +362,7 @@ def _read_logprobs(st: _Step, token: int, top: int) -> tuple[float, list[tuple[i
     """The step's log-probabilities from the graph; from the host when the host's pick
     replaced the graph's (the graph's numbers are for its own token)."""
     chosen = st.lp[0].item()
-    graph_token = st.out.item() if st.out.ndim == 1 else st.out[0, 0].item()
+    graph_token = st.out[0, 0].item()
     if graph_token != token:
         return logprobs_of(np.array(st.raw[0].astype(mx.float32)), token, top)
     if not top:

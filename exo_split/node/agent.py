@@ -415,9 +415,11 @@ class Node:
             prefix=self.prefix,
             keys=KeyRing(self.config.keys_file),
             on_prefilled=self._prefilled,
+            batch=getattr(self.coordinator.batch, "batcher", None),
         )
         if self.prefix is not None:
             state.ledger.caches.append(self.prefix)
+        self.coordinator.count_in(state.ledger)
         return state
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
@@ -35,24 +34,24 @@ from exo_split.errors import (
     AuthError,
     BadCheckpoint,
     IncompatiblePeer,
-    PeerBusy,
     PeerUnavailable,
     ProtocolError,
 )
 from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
-from exo_split.node.receive import STAGED_FRAMES, open_sink
-from exo_split.node.timing import Piece, Remote, build_timeline, decode_info
-from exo_split.node.tokens import Batch, decode_events
+from exo_split.node.receive import STAGED_FRAMES
+from exo_split.node.remote import RemotePull
+from exo_split.node.timing import Remote, build_timeline, decode_info
+from exo_split.node.tokens import Batch, BatchDriver, decode_events
 from exo_split.report import build_report, to_json
 from exo_split.sampling import Adjust, sample
-from exo_split.spec import ModelSpec, check_request, check_token_ids, require_compatible
+from exo_split.spec import ModelSpec, check_request, check_token_ids
 from exo_split.tokenizer import TextCodec, TextStream
 from exo_split.transport import wire
-from exo_split.transport.client import Timeouts, kv_stream
+from exo_split.transport.client import Timeouts
 from exo_split.transport.limits import decode_kv_bytes
-from exo_split.transport.messages import GenerateRequest, PrefillRequest
+from exo_split.transport.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -62,7 +61,7 @@ PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
 LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill
 
 
-class Coordinator:
+class Coordinator(RemotePull):
     def __init__(
         self,
         backend: Backend,
@@ -90,6 +89,14 @@ class Coordinator:
         self.session = session
         self.choose_peer = choose_peer
         self.max_frame_bytes = max_frame_bytes
+        batcher = backend.batcher() if hasattr(backend, "batcher") else None
+        self.batch = BatchDriver(executor, batcher) if batcher is not None else None
+
+    def count_in(self, ledger) -> None:
+        """Count the decode batch's padding and copies in the node's KV ledger."""
+        if self.batch is not None:
+            b = self.batch.batcher
+            b.take, b.give, b.force = ledger.take, ledger.give, ledger.force
 
     async def _run(self, fn, *args, **kwargs):
         loop = asyncio.get_running_loop()
@@ -283,17 +290,20 @@ class Coordinator:
                 done = await self._run(self.backend.prefill, pre[:end], chunk=req.chunk,
                                        capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
                 held = done.cache
-            cache = done.cache
+            cache, logits, done = done.cache, done.logits, None
             if not tokens and not own:
-                await emit_token(sample(done.logits, req.sampling, 0)[0])
+                await emit_token(sample(logits, req.sampling, 0)[0])
         local_end = clock()
         stats = DecodeStats()
         held = None
         if not ended[0]:
             first = (ids[-1], 0) if own else (tokens[0], 1)
-            ended[0] = not await self._decode(cache, first, req, stop, stats, emit_tokens,
-                                              constraint, lps, adjust)  # fmt: skip
-        if reuse is not None:
+            box, cache = [cache], None  # the decode owns it now (a batch copies it)
+            need = self.kv_need(len(ids), req.max_tokens)
+            done, cache = await self._decode(box, first, req, stop, stats, emit_tokens,
+                                             constraint, lps, adjust, need, reuse is not None)  # fmt: skip
+            ended[0] = not done
+        if reuse is not None and cache is not None:
             await self._keep(reuse, cache, ids + tokens, req.scope)
         del cache
         stopped_by = (
@@ -329,24 +339,44 @@ class Coordinator:
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache, scope)
 
-    async def _decode(self, cache, first, req, stop, stats, emit_tokens, constraint, lps,
-                      adjust) -> bool:  # fmt: skip
-        """Decode from `first` (token, step) as one compute job; False if `until` ended it."""
+    async def _decode(self, box, first, req, stop, stats, emit_tokens, constraint, lps, adjust,
+                      need, keep) -> tuple[bool, object]:  # fmt: skip
+        """Decode from `first` (token, step) the cache `box` holds (taken out of it): in the
+        node's batch where the backend has one, else as compute jobs of its own. (False if
+        `until` ended it, the cache after: None if it went with the batch and not `keep`.)"""
+        cache = box.pop()
+        kw = {} if lps is None else {"logprobs": lps, "top_logprobs": req.logprobs}
+        if self.batch is not None:
+            row = self.batch.batcher.row(
+                cache, first[0], start=first[1], max_tokens=req.max_tokens,
+                sampling=req.sampling, stop_ids=self._stop_ids(req), stats=stats,
+                constraint=constraint, adjust=adjust, reserved=need, keep_cache=keep,
+                should_stop=stop.is_set, **kw,
+            )  # fmt: skip
+            del cache
+            kept: list = []
+            ok = True
+            async with contextlib.aclosing(self.batch.rows(row, kept)) as batches:
+                del row
+                async for batch in batches:
+                    if not await emit_tokens(batch):
+                        ok = False
+                        break
+            return ok, kept[0] if kept else None  # kept: once the row has left
 
         def steps(should_stop: Callable[[], bool]):
             return self.backend.decode(
                 cache, first[0], start=first[1], max_tokens=req.max_tokens,
                 sampling=req.sampling, stop_ids=self._stop_ids(req),
                 should_stop=lambda: should_stop() or stop.is_set(), stats=stats,
-                constraint=constraint, adjust=adjust, **({} if lps is None else
-                                          {"logprobs": lps, "top_logprobs": req.logprobs}),
+                constraint=constraint, adjust=adjust, **kw,
             )  # fmt: skip
 
         async with contextlib.aclosing(decode_events(self.executor, steps)) as batches:
             async for batch in batches:
                 if not await emit_tokens(batch):
-                    return False
-        return True
+                    return False, cache
+        return True, cache
 
     def _adjust(self, req: GenerateRequest, ids: list[int]) -> Adjust | None:
         kw = {"eos_ids": self.codec.eos_ids, "prompt": tuple(ids), **(req.adjust or {})}
@@ -361,112 +391,6 @@ class Coordinator:
             event["logprob"], event["top_logprobs"] = lps[i]
         return event
 
-    async def _remote_with_retries(
-        self, peer, req, ids, capacity, remote, emit, emit_token, held=None, start=0
-    ):
-        """A busy peer (503) is asked again after its Retry-After while the total wait stays
-        within `timeouts.busy_wait`, then the PeerBusy goes up like any peer failure."""
-        waited = 0.0
-        while True:
-            try:
-                return await self._remote_prefill(
-                    peer, req, ids, capacity, remote, emit, emit_token, held, start
-                )
-            except PeerBusy as exc:
-                pause = max(0.0, exc.retry_after)
-                if waited + pause > self.timeouts.busy_wait:
-                    raise
-                log.info("prefill peer %s busy; asking again in %g s", peer, pause)
-                await asyncio.sleep(pause)
-                waited += pause
-
-    async def _remote_prefill(
-        self, peer, req, ids, capacity, remote: Remote, emit, emit_token, held, start
-    ):
-        """Pull the KV of [start, n) straight into `held` (which holds [0, start)) or a new
-        cache; returns it filled. Raises one of PEER_FAILURES; then the partial cache is
-        already dropped (a `held` one stays the caller's)."""
-        keep = ()  # a fresh cache keeps only the windows of sliding layers; a held one has all
-        if held is None:
-            keep = getattr(self.backend, "window_keep", ())
-            windowed = {"prompt_len": len(ids)} if keep else {}
-            held = await self._run(self.backend.new_cache, capacity, **windowed)
-        sink = await self._run(open_sink, self.backend, held)
-        del held
-        body = PrefillRequest(
-            request_id=uuid.uuid4().hex[:16],
-            token_ids=tuple(ids),
-            sampling=req.sampling,
-            spec=self.spec.to_dict(),
-            fingerprint=self.spec.fingerprint,
-            overlap=req.overlap,
-            chunk=req.chunk,
-            dtype=self.backend.dtype,
-            max_frame_bytes=self.max_frame_bytes,
-            start=start,
-            prefix_cache=req.prefix_cache,
-            keep=keep,
-            scope=req.scope,
-        ).to_json()
-        spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
-                               wire.WireDtype.from_name(self.backend.dtype), len(ids),
-                               self.max_frame_bytes, start, keep)  # fmt: skip
-        pieces: list[tuple[int, int, int]] = []
-        try:
-            remote.sent_at = clock()
-            frames = kv_stream(self.session(), peer, self.token, body, spec, self.timeouts,
-                               dest=sink.dest, max_pending=self.max_frame_bytes)  # fmt: skip
-            async with contextlib.aclosing(frames):
-                async for frame in frames:
-                    now = clock()
-                    if frame.kind is wire.Kind.HELLO:
-                        remote.hello, remote.hello_at = frame.obj, now
-                        self._check_hello(peer, frame.obj)
-                        pieces = list(wire.Plan.from_json(frame.obj["plan"], spec).pieces())
-                    elif frame.kind is wire.Kind.LAYER:
-                        await sink.landed(frame, self._run)
-                        if frame.last:  # a whole (chunk, layer) piece is in the cache
-                            layer, start, n = pieces[frame.piece]
-                            piece = Piece(layer, start, n, spec.layer_payload_len(n))
-                            remote.received.append((piece, now))
-                            remote.injected.append(clock())
-                            progress = {"type": "progress", "layer": layer,
-                                        "layers": self.spec.n_layers, "tokens": start + n,
-                                        "of": len(ids)}  # fmt: skip
-                            await emit(progress)
-                        del frame
-                    elif frame.kind is wire.Kind.TOKEN:
-                        remote.first_token, remote.first_token_at = frame.token_id, now
-                    elif frame.kind is wire.Kind.END:
-                        remote.end = frame.obj
-            if remote.end is None or remote.first_token is None:
-                raise PeerUnavailable(f"{peer} ended the stream without TOKEN and END")
-            remote.stamps = _check_end(peer, remote.end, len(pieces))
-            if remote.first_token >= self.spec.vocab_size:
-                raise ProtocolError(
-                    f"{peer}: first token {remote.first_token} is outside the vocabulary"
-                )
-            cache = await self._run(sink.finish, len(ids))
-        except BaseException:
-            sink.close()
-            sink.cache = None  # the partial KV goes now, before any local prefill
-            raise
-        await emit_token(remote.first_token)
-        return cache
-
-    def _check_hello(self, peer: str, hello: dict | None) -> None:
-        if not hello or "spec" not in hello:
-            raise ProtocolError(f"{peer}: HELLO carries no model spec")
-        if not all(
-            isinstance(hello.get(k), int | float) for k in ("prefill_received", "prefill_replied")
-        ):
-            raise ProtocolError(f"{peer}: HELLO lacks the prefill_received/prefill_replied stamps")
-        try:
-            theirs = ModelSpec.from_dict(hello["spec"])
-        except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise ProtocolError(f"{peer}: HELLO has a malformed spec: {exc}") from exc
-        require_compatible(self.spec, theirs, what=f"prefill peer {peer}")
-
 
 # Text work of every request (templates, tokenizers), one at a time, off the event loop.
 _TEXT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-text")
@@ -478,11 +402,3 @@ async def _ignore(token: int) -> None:
 
 def _nothing() -> None:
     """Run on the compute thread as a barrier: when it returns, earlier jobs have finished."""
-
-
-def _check_end(peer: str, end: dict, n_pieces: int) -> dict[str, list[float]]:
-    """END must account for every piece with its stamps (the report is built from them)."""
-    try:
-        return wire.parse_end(end, n_pieces)
-    except ProtocolError as exc:
-        raise ProtocolError(f"{peer}: {exc}") from exc

@@ -71,6 +71,7 @@ class NodeState(ServerState):
     die_after_layer: int | None = None  # test hook, docs/reliability.md
     prefix: PrefixCache | None = None  # the node's prefix cache (None: off)
     on_prefilled: Any = None  # (tokens computed, seconds) after each served prefill
+    batch: Any = None  # the decode batch (backends/mlx_batch.py's Batcher); None: none
 
 
 async def info(request: web.Request) -> web.Response:
@@ -83,6 +84,7 @@ async def info(request: web.Request) -> web.Response:
         "kv_bytes_limit": state.ledger.limit,
     }
     cache = state.prefix.describe() if state.prefix is not None else _NO_PREFIX_CACHE
+    stats["batch"] = state.batch.describe() if state.batch is not None else None
     return web.json_response({**state.info, "stats": stats, "prefix_cache": cache})
 
 

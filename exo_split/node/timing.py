@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -106,4 +107,13 @@ def decode_info(backend, stats, stopped_by: str) -> dict:
         "host_checked": stats.checked,
         "host_corrected": stats.corrected,
         "stopped_by": stopped_by,
+        # How many sequences shared its steps (None: decoded alone, by a loop that does not
+        # batch: torch, or a model with sliding layers).
+        "batch": _spread(stats.sizes),
     }
+
+
+def _spread(sizes: list[int]) -> dict | None:
+    if not sizes:
+        return None
+    return {"min": min(sizes), "median": statistics.median(sizes), "max": max(sizes)}

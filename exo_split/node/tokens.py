@@ -124,3 +124,59 @@ def others_waiting(executor: Executor) -> bool:
     the submitted jobs that have not started)."""
     queue = getattr(executor, "_work_queue", None)
     return queue is not None and not queue.empty()
+
+
+class BatchDriver:
+    """Runs a backend's decode batch (backends/mlx_batch.py's Batcher) on the compute thread
+    for as long as it has rows, as slices like `decode_events`': one job while nothing else
+    waits for the thread, and after any step as soon as something does. Each request is a
+    row: `rows(make_row)` joins it and yields its tokens in batches."""
+
+    def __init__(self, executor: Executor, batcher):
+        self.executor, self.batcher = executor, batcher
+        self._task: asyncio.Future | None = None
+
+    async def rows(self, row, kept: list) -> AsyncIterator[Batch]:
+        """Join `row` (Batcher.row's, its own should_stop optional) and yield its tokens.
+        Leaving early (the consumer stops iterating, or is cancelled) makes should_stop()
+        true, and this returns only once the row has left the batch (its KV no longer
+        written). The row's KV, when it asked to keep it, is appended to `kept` as it
+        leaves."""
+        loop = asyncio.get_running_loop()
+        pipe = TokenPipe(loop)
+        stop = threading.Event()
+        left = asyncio.Event()
+
+        def on_done(cache, error) -> None:  # on the compute thread
+            kept.append(cache)
+            pipe.close(error)
+            loop.call_soon_threadsafe(left.set)
+
+        own = row.should_stop
+        row.should_stop = stop.is_set if own is None else lambda: stop.is_set() or own()
+        row.on_token, row.on_done = (lambda token: pipe.put(token, clock())), on_done
+        self.batcher.join(row)
+        del row
+        self._drive(loop)
+        try:
+            async for batch in pipe.batches():
+                yield batch
+        finally:
+            stop.set()
+            await wait_through_cancel(asyncio.ensure_future(left.wait()))
+
+    def _drive(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run(loop))
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        batcher = self.batcher
+        try:
+            while batcher.busy:
+                await loop.run_in_executor(self.executor, batcher.run,
+                                           lambda: others_waiting(self.executor))  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the executor refused a slice (it is shutting down)
+            batcher.fail(exc)
+            raise

@@ -7,6 +7,7 @@ server turns into 413 (can never fit) or 503 + Retry-After (busy now), always be
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -62,6 +63,38 @@ class KVLedger:
         self.limit, self.retry_after_s = limit, retry_after_s
         self.held = self.peak = 0
         self.caches: list[Evictable] = []
+        self._lock = threading.Lock()  # `take`/`give` come from the compute thread
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if they fit beside what requests hold, evicting prefix caches
+        to make room; False, and nothing held, if not (`hold` makes that a 503). Thread-safe:
+        the decode batch takes its padding and the copy a join makes from the compute
+        thread (backends/mlx_batch.py)."""
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                return False
+            self._evict(nbytes)
+            self.held += nbytes
+            self.peak = max(self.peak, self.held + self.cached)
+            return True
+
+    def force(self, nbytes: int) -> None:
+        """Hold `nbytes` that exist already, even past the limit: bytes a request's
+        reservation held, moving to the decode batch just before the request gives them back."""
+        with self._lock:
+            self.held += nbytes
+            self.peak = max(self.peak, self.held + self.cached)
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+    def _evict(self, nbytes: int) -> None:
+        over = self.held + self.cached + nbytes - self.limit
+        for c in self.caches:
+            if over <= 0:
+                break
+            over -= c.evict(over)
 
     @property
     def cached(self) -> int:
@@ -76,7 +109,7 @@ class KVLedger:
                 f"{what} needs {_mib(nbytes)} of KV, more than this node's limit of "
                 f"{_mib(self.limit)} (--max-kv-bytes)",
             )
-        if self.held + nbytes > self.limit:
+        if not self.take(nbytes):
             raise Refused(
                 503,
                 "busy",
@@ -84,17 +117,10 @@ class KVLedger:
                 f"{_mib(self.limit)} are held by requests in progress",
                 retry_after=self.retry_after_s,
             )
-        over = self.held + self.cached + nbytes - self.limit
-        for c in self.caches:
-            if over <= 0:
-                break
-            over -= c.evict(over)
-        self.held += nbytes
-        self.peak = max(self.peak, self.held + self.cached)
         try:
             yield
         finally:
-            self.held -= nbytes
+            self.give(nbytes)
 
 
 def _mib(nbytes: int) -> str:

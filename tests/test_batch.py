@@ -1,0 +1,266 @@
+"""The decode batch (backends/mlx_batch.py through node/decode.py): requests that decode at
+the same time share one forward per step, each with its own sampling, log-probabilities and
+adjustments, and each request's tokens equal its solo run's. Rows join and leave mid-batch;
+a cancelled row leaves at once; a join the ledger has no room for waits; the ledger gets its
+bytes back. Asserted by tokens, shapes, counts and the order of events, never by a clock.
+In process, with a real MLX backend on the tiny Llama; through the OpenAI API in
+test_concurrency.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from exo_split.backends import load_backend
+from exo_split.node.decode import Coordinator
+from exo_split.tokenizer import TextCodec
+from exo_split.transport.client import Timeouts
+from exo_split.transport.limits import KVLedger
+from exo_split.transport.messages import GenerateRequest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def compute():
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    yield executor
+    executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def backend(llama, compute):
+    loaded = compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    yield loaded
+    compute.submit(loaded.close).result()
+
+
+@pytest.fixture()
+def coordinator(backend, llama, compute):
+    async def local(req, n):
+        return None, None
+
+    co = Coordinator(backend, TextCodec(llama), compute, token=None, timeouts=Timeouts(),
+                     session=lambda: None, choose_peer=local)  # fmt: skip
+    co.ledger = KVLedger(2**34)
+    co.count_in(co.ledger)
+    return co
+
+
+class Forwards:
+    """The model, counting its forwards by batch size."""
+
+    def __init__(self, model):
+        self.model, self.args, self.sizes = model, model.args, []
+
+    def __call__(self, tokens, cache=None):
+        self.sizes.append(tokens.shape[0])
+        return self.model(tokens, cache=cache)
+
+
+def _body(i: int, **extra) -> dict:
+    ids = [(17 * i + 5 * k) % 500 + 3 for k in range(12 + 9 * i)]
+    return {"token_ids": ids, "max_tokens": 30 + 7 * i, "ignore_eos": True, **extra}
+
+
+BODIES = [
+    _body(0),
+    _body(1, sampling={"temperature": 0.8, "seed": 11}),
+    _body(2, logprobs=3),
+    _body(3, sampling={"temperature": 0.9, "top_p": 0.8, "seed": 5}),
+    _body(4, adjust={"presence": 0.7, "bias": {9: 3.0}}),
+]
+
+
+def _request(body: dict) -> GenerateRequest:
+    """/v1/generate's fields, plus the OpenAI layer's logprobs and adjust."""
+    extra = {k: body[k] for k in ("logprobs", "adjust") if k in body}
+    plain = {k: v for k, v in body.items() if k not in extra}
+    return dataclasses.replace(GenerateRequest.from_json(plain), **extra)
+
+
+async def _gen(co, body, log=None, who=None, **kw):
+    async def emit(event):
+        if log is not None and event["type"] == "token":
+            log.append((who, "token"))
+
+    done = await co.generate(_request(body), emit, arrived=0.0, **kw)
+    if log is not None:
+        log.append((who, "done"))
+    return done
+
+
+def test_requests_at_once_share_each_step_and_equal_their_solo_runs(coordinator):
+    co = coordinator
+
+    async def go():
+        solo = [await _gen(co, b) for b in BODIES]
+        co.batch.batcher.model = forwards = Forwards(co.batch.batcher.model)
+        together = await asyncio.gather(*[_gen(co, b) for b in BODIES])
+        return solo, together, forwards
+
+    solo, together, forwards = asyncio.run(go())
+    for s, t in zip(solo, together, strict=True):
+        assert t["tokens"] == s["tokens"]
+        assert (
+            t["report"]["timeline"]["decode"]["steps"] == s["report"]["timeline"]["decode"]["steps"]
+        )
+    assert [s["report"]["timeline"]["decode"]["batch"]["max"] for s in solo] == [1] * 5
+    assert all(t["report"]["timeline"]["decode"]["batch"]["max"] >= 2 for t in together)
+    # One forward per step for all of them, not one per sequence: fewer forwards than the
+    # tokens they decoded, and forwards of up to all five at once.
+    decoded = sum(t["report"]["timeline"]["decode"]["steps"] for t in together)
+    assert max(forwards.sizes) == 5 and len(forwards.sizes) < decoded / 2
+    assert co.ledger.held == 0 and co.batch.batcher.describe()["rows"] == 0
+
+
+def test_logprobs_beside_others_equal_the_solo_run(coordinator):
+    co = coordinator
+    body = BODIES[2]
+
+    async def collect(b):
+        events = []
+
+        async def emit(event):
+            if event["type"] == "token":
+                events.append(event)
+
+        await co.generate(_request(b), emit, arrived=0.0)
+        return events
+
+    async def go():
+        solo = await collect(body)
+        both = await asyncio.gather(collect(body), _gen(co, BODIES[0]), _gen(co, BODIES[3]))
+        return solo, both[0]
+
+    solo, beside = asyncio.run(go())
+    assert [e["id"] for e in beside] == [e["id"] for e in solo]
+    for a, b in zip(solo, beside, strict=True):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-4
+        assert [i for i, _ in a["top_logprobs"]] == [i for i, _ in b["top_logprobs"]]
+
+
+def test_a_row_joins_mid_batch_and_its_slot_is_compacted_once_it_leaves(coordinator):
+    """B arrives while A decodes, shares A's steps, finishes first; a few of A's steps later
+    the batch holds A alone (B's slot compacted away, its bytes back in the ledger)."""
+    co = coordinator
+    seen: list[dict] = []
+    log: list[tuple[str, str]] = []
+    long = dict(_body(0), max_tokens=160)
+
+    async def go():
+        solo_b = await _gen(co, BODIES[1])
+        a = asyncio.ensure_future(_gen(co, long, log, "A"))
+        for _ in range(20_000):  # until A has some tokens (bounded)
+            if log.count(("A", "token")) >= 5:
+                break
+            await asyncio.sleep(0.002)
+        b = await _gen(co, BODIES[1], log, "B")
+        for _ in range(20_000):  # until A has had three more steps after B left
+            if log[log.index(("B", "done")) :].count(("A", "token")) >= 3 or a.done():
+                break
+            await asyncio.sleep(0.002)
+        seen.append(co.batch.batcher.describe())
+        return solo_b, b, await a
+
+    solo_b, b, a = asyncio.run(go())
+    assert b["tokens"] == solo_b["tokens"]
+    assert b["report"]["timeline"]["decode"]["batch"]["min"] == 2  # every step beside A
+    assert log.index(("B", "done")) < log.index(("A", "done"))
+    assert seen[0]["rows"] == 1 and seen[0]["dead_rows"] == 0
+    spread = a["report"]["timeline"]["decode"]["batch"]
+    assert spread["min"] == 1 and spread["max"] == 2  # alone, then beside B, then alone
+    assert co.ledger.held == 0
+
+
+def test_a_cancelled_row_leaves_at_once_and_the_others_go_on(coordinator, compute):
+    co = coordinator
+    log: list[tuple[str, str]] = []
+    long = dict(_body(0), max_tokens=120)
+
+    async def go():
+        solo = await _gen(co, long)
+        a = asyncio.ensure_future(_gen(co, long, log, "A"))
+        b = asyncio.ensure_future(_gen(co, dict(_body(3), max_tokens=400), log, "B"))
+        for _ in range(20_000):
+            if log.count(("B", "token")) >= 5 and log.count(("A", "token")) >= 5:
+                break
+            await asyncio.sleep(0.002)
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        cancelled_at = log.count(("A", "token"))
+        left = co.batch.batcher.describe()
+        return solo, await a, cancelled_at, left
+
+    solo, a, cancelled_at, left = asyncio.run(go())
+    assert a["tokens"] == solo["tokens"]  # the batch went on, undisturbed
+    assert cancelled_at < len(a["tokens"])  # B left while A still decoded
+    assert left["rows"] == 1  # once the cancel returned, B's row was out
+    assert compute.submit(lambda: "free").result(timeout=5) == "free"
+    assert co.ledger.held == 0
+
+
+def test_a_join_the_ledger_has_no_room_for_waits_until_a_row_leaves(coordinator):
+    """With no room to copy the batch, B (arriving while A decodes) gets its first token (the
+    prefill's) but decodes only once A has left, alone, to the same tokens."""
+    co = coordinator
+    co.batch.batcher.take = lambda n: False
+    log: list[tuple[str, str]] = []
+    long = dict(_body(0), max_tokens=60)
+
+    async def go():
+        solo_b = await _gen(co, BODIES[1])
+        a = asyncio.ensure_future(_gen(co, long, log, "A"))
+        for _ in range(20_000):
+            if log.count(("A", "token")) >= 5:
+                break
+            await asyncio.sleep(0.002)
+        b = await _gen(co, BODIES[1], log, "B")
+        return solo_b, b, await a
+
+    solo_b, b, a = asyncio.run(go())
+    assert b["tokens"] == solo_b["tokens"]
+    b_tokens = [i for i, e in enumerate(log) if e == ("B", "token")]
+    assert b_tokens[1] > log.index(("A", "done"))  # its decode began after A's end
+    assert b["report"]["timeline"]["decode"]["batch"]["max"] == 1
+
+
+def test_a_failing_step_ends_every_row_with_the_error_and_the_node_goes_on(coordinator):
+    co = coordinator
+    real = co.batch.batcher.model
+    calls = [0]
+
+    class Breaks(Forwards):
+        def __call__(self, tokens, cache=None):
+            calls[0] += 1
+            if calls[0] == 12:
+                raise RuntimeError("the device went away")
+            return self.model(tokens, cache=cache)
+
+    async def go():
+        co.batch.batcher.model = Breaks(real)
+        results = await asyncio.gather(*[_gen(co, b) for b in BODIES[:3]], return_exceptions=True)
+        co.batch.batcher.model = real
+        again = await _gen(co, BODIES[0])
+        return results, again
+
+    results, again = asyncio.run(go())
+    assert all(isinstance(r, RuntimeError) and "went away" in str(r) for r in results)
+    assert len(again["tokens"]) == BODIES[0]["max_tokens"]
+    assert co.batch.batcher.describe()["rows"] == 0 and co.ledger.held == 0
+
+
+def test_a_row_that_asks_to_stop_before_its_first_step_leaves_cleanly(coordinator):
+    """until() true at the first token: the row never steps, its cache is not lost."""
+    co = coordinator
+
+    async def go():
+        return await _gen(co, BODIES[0], until=lambda: True)
+
+    done = asyncio.run(go())
+    assert done["stopped_by"] == "until" and len(done["tokens"]) == 1
+    assert co.batch.batcher.describe()["rows"] == 0
