@@ -34,6 +34,7 @@ from exo_split.transport.client import Timeouts, kv_stream
 from exo_split.transport.datalink import TICKET, TICKET_MAGIC, DataConnection, Listener
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import PrefillRequest
+from exo_split.transport.server import ClientGone
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUTS = Timeouts(connect=2.0, first_frame=10.0, idle=5.0, total=60.0)
@@ -557,3 +558,85 @@ def test_a_probe_reader_that_stops_reading_is_cut_off(monkeypatch):
 
     got, status = asyncio.run(run())
     assert got < 64 << 20 and status == 200  # cut off, and the node serves on
+
+
+def _ring_stream(llama, n, reader, *, deadline=600.0, slot_timeout=30.0, during=None):
+    """stream_prefill with the real torch backend copying into a ring of 2 slots of 16
+    positions (the GPU's path, on the CPU), over a socketpair with 16 KiB buffers whose far
+    end `reader(sock)` reads. `during(executor)` runs once the prefill is submitted."""
+    from exo_split.backends import load_backend
+
+    backend = load_backend("torch", llama)
+    spec = backend.spec
+    backend.set_staging(2 * 16 * 2 * spec.n_kv_heads * spec.head_dim * 4, 2, copy=True)
+    backend.slot_timeout = slot_timeout
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+        thread = threading.Thread(target=reader, args=(theirs,))
+        thread.start()
+        watch = _Watch()
+        transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
+        conn = watch.conn = DataConnection(transport)
+        req = PrefillRequest(request_id="t", token_ids=tuple(3 + i % 500 for i in range(n)))
+        try:
+            with ThreadPoolExecutor(1) as executor:
+                streaming = asyncio.ensure_future(stream_prefill(
+                    backend, executor, req, conn, hello={}, timeout=30.0, deadline=deadline))  # fmt: skip
+                if during is not None:
+                    await asyncio.sleep(0)  # the prefill's job is queued first
+                    during(executor)
+                try:
+                    return await streaming, backend
+                finally:
+                    conn.close()
+        finally:
+            await asyncio.to_thread(thread.join, 60)
+
+    return asyncio.run(run())
+
+
+def test_the_prefill_nodes_compute_thread_is_free_while_the_receiver_reads_slowly(llama):
+    """Issue 19: the forward ends, then the ring's stager still waits for the wire. The
+    compute thread does not wait with it: a job queued behind the prefill runs while the
+    receiver has read nothing (it reads only once that job ran), and the stream then arrives
+    whole (an END and every layer's bytes)."""
+    ran = threading.Event()
+    got = bytearray()
+    seen = {}
+
+    def reader(sock):
+        ran.wait(20)  # a guard against a hang: `seen` says what happened
+        seen["received_when_the_job_ran"] = len(got)
+        seen["job_ran"] = ran.is_set()
+        sock.settimeout(30)
+        while chunk := sock.recv(64 << 10):
+            got.extend(chunk)
+
+    end, backend = _ring_stream(llama, 300, reader, during=lambda ex: ex.submit(ran.set))
+    assert seen == {"received_when_the_job_ran": 0, "job_ran": True}
+    spec = backend.spec
+    kv = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * 4 * 300
+    assert len(got) > kv and end["prefill_end"] >= end["prefill_start"]
+    assert backend.ring.in_use == 0
+
+
+def test_a_receiver_that_never_takes_the_stream_is_cut_off_at_the_total_deadline(llama):
+    """A receiver that reads nothing at all (its socket open): the whole stream's deadline
+    ends the request with ClientGone naming it, well before the slot timeout, and the ring
+    is whole again."""
+    stop = threading.Event()
+
+    def reader(sock):
+        stop.wait(120)  # reads nothing, holds the socket open
+        sock.close()
+
+    with pytest.raises(ClientGone, match="had not taken the whole stream 1 s after it began"):
+        try:
+            _ring_stream(llama, 300, reader, deadline=1.0, slot_timeout=300.0)
+        finally:
+            stop.set()

@@ -28,6 +28,9 @@ class Prefilled:
     # time.perf_counter() when the forward ended (device time on a GPU); prefill() itself
     # returns only once every piece was handed to on_layer, which can be later.
     computed_at: float | None = None
+    # prefill(background=True): pieces still being staged (torch's ring), or None: .finish()
+    # waits for them (raising the staging's error), .abort() stops them.
+    staging: Any = None
 
 
 @dataclass

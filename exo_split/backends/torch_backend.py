@@ -62,6 +62,7 @@ class TorchBackend:
     name = "torch"
     quantization = None  # full-precision checkpoints only
     decode = serial_decode  # one step at a time: the prefill side's backend rarely decodes
+    stages_in_background = True  # prefill(background=True): see there
 
     def __init__(self, model, spec: ModelSpec, dtype: str, device: torch.device):
         self.model = model
@@ -151,9 +152,12 @@ class TorchBackend:
         capacity: int | None = None,
         cache: PreallocatedCache | None = None,
         emit_from: int = 0,
+        background: bool = False,
     ) -> Prefilled:
         """Returns once every piece was handed to `on_layer`; `Prefilled.computed_at` is when
-        the forward itself ended. Cancellation: `should_stop` is polled as each layer writes its
+        the forward itself ended. `background`: returns when the forward has ended, pieces
+        the ring's stager thread has not handed on yet going on meanwhile: `Prefilled.staging`
+        then has `finish()` (waits for them; raises the staging's error) and `abort()`. Cancellation: `should_stop` is polled as each layer writes its
         KV; the compute thread is then at most `run_ahead` pieces ahead of the device, and this
         raises `Cancelled` once the device has finished that queued work.
 
@@ -199,7 +203,8 @@ class TorchBackend:
             end = clock.record()
             logits = logits.float().cpu().numpy()  # waits for the device
             computed_at = clock.seconds(end)
-            if stager is not None:
+            staging = stager if background and stager is not None and stager.threaded else None
+            if stager is not None and staging is None:
                 stager.finish()
         except BaseException:
             if stager is not None:
@@ -211,7 +216,7 @@ class TorchBackend:
         for m in cache.marks:
             if not isinstance(m.at, float):  # this run's events (a reused cache's are seconds)
                 m.at = clock.seconds(m.at)
-        return Prefilled(cache=cache, logits=logits, computed_at=computed_at)
+        return Prefilled(cache=cache, logits=logits, computed_at=computed_at, staging=staging)
 
     @torch.inference_mode()
     def stream_kv(

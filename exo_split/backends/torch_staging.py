@@ -402,6 +402,11 @@ class Stager:
         else:
             self._stage(job)
 
+    @property
+    def threaded(self) -> bool:
+        """Whether pieces are staged on a thread of their own (a bounded ring)."""
+        return self._thread is not None
+
     def finish(self) -> None:
         """No more jobs; returns once every piece was handed to on_layer (re-raises its error)."""
         self._close()

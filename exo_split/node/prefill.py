@@ -268,6 +268,7 @@ async def stream_prefill(
     *,
     hello: dict,
     timeout: float = 60.0,
+    deadline: float = 600.0,
     max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     progress: Progress | None = None,
@@ -276,13 +277,16 @@ async def stream_prefill(
 ) -> dict:
     """Run the prefill and write HELLO, LAYER..., TOKEN, END on the data connection.
 
-    Returns the END record. If the receiver leaves (or reads nothing for `timeout`), the
-    compute thread stops at its next layer or chunk, and this raises ClientGone once it has
-    let go of the request's KV. A failure of the prefill itself goes to the receiver as an
+    Returns the END record. If the receiver leaves (or reads nothing for `timeout`, or has not
+    taken the whole stream `deadline` seconds after it began), the compute thread stops at its
+    next layer or chunk, and this raises ClientGone once it has let go of the request's KV.
+    The compute thread is free once the forward ends: a torch backend's staging ring goes on
+    feeding the wire from its own thread (`background`), awaited here, not there. A failure of the prefill itself goes to the receiver as an
     ERROR frame, then is re-raised. `die_after_layer` is a test hook (docs/reliability.md):
     SIGKILL this process 0.2 s after that layer's first frame is on the wire.
     """
     progress = progress or Progress()
+    overdue = clock() + deadline
     n, spec, start = len(req.token_ids), backend.spec, req.start
     dtype = wire.WireDtype.from_name(req.dtype or backend.dtype)
     try:  # before the prefix checkout: a receiver already gone takes nothing with it
@@ -320,6 +324,8 @@ async def stream_prefill(
             t0 = clock()
             cache = reuse.materialize(checkout, capacity=n) if reuse is not None else None
             resume = {"cache": cache, "emit_from": start} if cache is not None or start else {}
+            if req.overlap and getattr(backend, "stages_in_background", False):
+                resume["background"] = True
             done = backend.prefill(
                 req.token_ids,
                 chunk=req.chunk,
@@ -345,11 +351,22 @@ async def stream_prefill(
                             raise Cancelled("prefill cancelled while sending")
                         ship(_from(kv, start))
             kept[0], done.cache = done.cache if reuse is not None else None, None
+            staging[0] = done.staging
             return t0, t1, sample(done.logits, req.sampling, 0)
         finally:
             progress.stopped_at = clock()
 
     kept: list = [None]  # the finished cache, for the prefix cache once the stream ended
+    staging: list = [None]  # pieces the backend still stages after the forward (background)
+
+    async def within(aw, what: str):
+        try:
+            return await asyncio.wait_for(aw, max(0.0, overdue - clock()))
+        except TimeoutError:
+            progress.cancel()
+            raise _Overdue(f"the receiver had not taken the whole stream {deadline:g} s after "
+                           f"it began ({what})") from None  # fmt: skip
+
     hello = {**hello, "dtype": dtype.name, "plan": plan.to_json(), "prefill_cached_tokens": k,
              "prefill_replied": clock()}  # fmt: skip
     sender.put(wire.encode_hello(hello))
@@ -358,17 +375,22 @@ async def stream_prefill(
     ended = False  # END or ERROR is on the wire
     try:
         t0, t1, (token, logprob) = await job
+        if staging[0] is not None:  # off the compute thread, which is free for others now
+            await within(asyncio.to_thread(staging[0].finish), "staging")
+            staging[0] = None
         sender.put(wire.encode_token(token, logprob))
-        await sender.flush()
+        await within(sender.flush(), "sending")
         end = wire.end_record(t0, t1, req.overlap, frames.stamps)
         sender.put(wire.encode_end(end))
-        await sender.flush()
+        await within(sender.flush(), "sending")
         ended = True
         if reuse is not None and kept[0] is not None:  # every frame that read it is sent
             reuse.put(req.token_ids, kept[0], req.scope)
         return end
     except BaseException as exc:
         progress.cancel()
+        if staging[0] is not None:
+            staging[0].abort()
         if computing.cancel():  # it had not started: it never will
             progress.stopped_at = clock()
             if reuse is not None:
@@ -377,9 +399,10 @@ async def stream_prefill(
             await wait_through_cancel(job)
             if not job.cancelled():
                 forget_frames(job.exception())
-        gone = conn.lost.is_set() or sender.error is not None
+        gone = conn.lost.is_set() or sender.error is not None or isinstance(exc, _Overdue)
         if gone:
             why = conn.why or f"the receiver read nothing for {timeout:g} s ({sender.error!r})"
+            why = str(exc) if isinstance(exc, _Overdue) else why
             raise ClientGone(why) from exc
         if isinstance(exc, Exception):  # the prefill failed: say so in-band
             sender.put(error_frame(exc))
@@ -390,6 +413,10 @@ async def stream_prefill(
     finally:
         sender.close(abort=not ended)
         frames.drop()
+
+
+class _Overdue(Exception):
+    """The whole stream was not on the wire by its deadline."""
 
 
 async def wait_through_cancel(future: asyncio.Future) -> None:

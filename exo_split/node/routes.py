@@ -140,7 +140,8 @@ async def prefill(request: web.Request) -> web.StreamResponse:
         try:
             end = await stream_prefill(
                 state.backend, state.executor, req, conn, hello=hello,
-                timeout=state.timeouts.idle, max_frame_bytes=limits.max_frame_bytes,
+                timeout=state.timeouts.idle, deadline=state.timeouts.total,
+                max_frame_bytes=limits.max_frame_bytes,
                 inflight_bytes=limits.max_inflight_bytes, progress=progress,
                 die_after_layer=state.die_after_layer, prefix=state.prefix,
             )  # fmt: skip
