@@ -9,10 +9,11 @@ solo run.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
-from nodes import TOKEN, node_pair, tiny_decode_node
+from nodes import TOKEN, node_pair, request, tiny_decode_node
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,3 +98,65 @@ def test_a_local_prefill_in_slices_equals_transformers(llama, monkeypatch):
             return r.choices[0].text
 
     assert asyncio.run(go()) == TextCodec(llama).detokenize(reference_generate(llama, prompt, 6))
+
+
+def test_8_clients_at_once_through_the_openai_client_equal_their_solo_runs(llama):
+    """Eight clients (half streaming) released together: each text equals its solo run's,
+    and they shared the node's decode steps (the batch held several at once)."""
+
+    async def ask(c, i, stream):
+        prompt = [3 + (i * 37 + k * 13) % 500 for k in range(10 + 3 * i)]
+        kw = {"model": "tiny", "prompt": prompt, "max_tokens": 16 + i, "temperature": 0.7,
+              "seed": 100 + i, "extra_body": {"ignore_eos": True}}  # fmt: skip
+        if not stream:
+            return (await c.completions.create(**kw)).choices[0].text
+        text = ""
+        async for chunk in await c.completions.create(stream=True, **kw):
+            text += chunk.choices[0].text if chunk.choices else ""
+        return text
+
+    async def go():
+        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+            base_url=url, api_key=TOKEN, max_retries=0
+        ) as c:  # fmt: skip
+            solo = [await ask(c, i, False) for i in range(8)]
+            together = await asyncio.gather(*[ask(c, i, i % 2 == 1) for i in range(8)])
+            code, body, _ = await request("GET", f"{url}/info", token=TOKEN)
+            return solo, together, json.loads(body)["stats"]["batch"]
+
+    solo, together, batch = asyncio.run(go())
+    assert together == solo
+    assert batch["peak_rows"] >= 4 and batch["rows"] == 0 and batch["extra_kv_bytes"] == 0
+
+
+def test_n_choices_share_one_prompt_each_equal_to_a_solo_run_with_its_seed(llama):
+    """n = 3 (streaming and not): choice i is the solo answer with the seed plus i, the
+    usage counts every choice's tokens once, the prompt once; n = 9 is refused."""
+    prompt = [3 + (k * 29) % 500 for k in range(40)]
+    kw = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.9,
+          "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+    async def go():
+        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+            base_url=url, api_key=TOKEN, max_retries=0
+        ) as c:  # fmt: skip
+            solo = [(await c.completions.create(seed=7 + i, **kw)).choices[0].text
+                    for i in range(3)]  # fmt: skip
+            whole = await c.completions.create(seed=7, n=3, **kw)
+            streamed, reasons = ["", "", ""], {}
+            async for chunk in await c.completions.create(seed=7, n=3, stream=True, **kw):
+                for ch in chunk.choices:
+                    streamed[ch.index] += ch.text
+                    if ch.finish_reason:
+                        reasons[ch.index] = ch.finish_reason
+            with pytest.raises(openai.BadRequestError) as refused:
+                await c.completions.create(seed=7, n=9, **kw)
+            return solo, whole, streamed, reasons, refused.value
+
+    solo, whole, streamed, reasons, refused = asyncio.run(go())
+    assert [ch.index for ch in whole.choices] == [0, 1, 2]
+    assert [ch.text for ch in whole.choices] == solo == streamed
+    assert len(set(solo)) > 1  # the seeds differ, and so do the answers
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+    assert whole.usage.prompt_tokens == 40 and whole.usage.completion_tokens == 36
+    assert refused.status_code == 400 and refused.body["param"] == "n"

@@ -249,8 +249,10 @@ def test_errors_come_in_openai_shape(client, nodes):
     assert info.value.body["code"] == "context_length_exceeded"
     assert "exceeds the model's context of 8192" in info.value.body["message"]
 
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be an integer in \[1, 8\]"):
+        client.chat.completions.create(model=MODEL, messages=QUESTION, n=9)
+    with pytest.raises(openai.BadRequestError, match="best_of=2 is not supported"):
+        client.completions.create(model=MODEL, prompt="hi", best_of=2)
 
     with (
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0) as wrong,
@@ -350,3 +352,25 @@ def test_a_busy_node_answers_503_in_openai_shape(llama):
     exc = asyncio.run(run())
     assert exc.status_code == 503 and exc.response.headers["Retry-After"] == "1"
     assert exc.body["code"] == "busy" and exc.body["type"] == "server_error"
+
+
+def test_a_chat_with_n_choices_streams_each_by_index_as_the_whole_response(client):
+    """n = 2 on the real model through the prefill node: the stream's role chunk, text and
+    finish_reason come per index, and join to the response's choices; choice 1 is the
+    answer a lone request gets with the seed plus one."""
+    kw = {"model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    whole = client.chat.completions.create(n=2, **kw)
+    alone = client.chat.completions.create(**{**kw, "seed": 4})
+    roles, texts, reasons = {}, {0: "", 1: ""}, {}
+    for chunk in client.chat.completions.create(n=2, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles[ch.index] = ch.delta.role
+            texts[ch.index] += ch.delta.content or ""
+            reasons[ch.index] = ch.finish_reason or reasons.get(ch.index)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert whole.choices[1].message.content == alone.choices[0].message.content
+    assert len(whole.model_extra["exo_split"]["choices"]) == 2

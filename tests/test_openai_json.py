@@ -12,10 +12,9 @@ from exo_split.transport.openai import (
     CompletionRequest,
     OpenAIError,
     Reply,
-    StopStrings,
-    cut_at_stop,
     error_body,
 )
+from exo_split.transport.stops import StopStrings, cut_at_stop
 
 # ---------------------------------------------------------------- OpenAI request bodies
 
@@ -68,7 +67,9 @@ def test_completion_prompts(prompt, field, value):
         ([], None, "must be a JSON object"),
         ({"messages": CHAT["messages"]}, "model", "model is required"),
         (CHAT | {"messages": [{"role": "x", "content": "y"}]}, "messages[0].role", "got 'x'"),
-        (CHAT | {"n": 2}, "n", "n=2 is not supported"),
+        (CHAT | {"n": 9}, "n", r"n must be an integer in \[1, 8\], got 9"),
+        (CHAT | {"n": 0}, "n", "n must be an integer"),
+        (CHAT | {"best_of": 3}, "best_of", "best_of=3 is not supported"),
         (CHAT | {"logprobs": 3}, "logprobs", "true or false"),
         (CHAT | {"logprobs": True, "top_logprobs": 21}, "top_logprobs", r"in \[0, 20\]"),
         (CHAT | {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),

@@ -264,7 +264,7 @@ def test_property_hello_contents_fail_only_as_peer_failures(coordinator, hello, 
     end=st.dictionaries(st.sampled_from(["pieces", "prefill_start", "prefill_end"]), json_values)
 )
 def test_property_end_contents_fail_only_as_protocol_errors(end):
-    from exo_split.node.decode import _check_end
+    from exo_split.node.remote import _check_end
 
     with contextlib.suppress(ProtocolError):
         _check_end("peer", end, 3)

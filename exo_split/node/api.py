@@ -30,8 +30,6 @@ from exo_split.transport.openai import (
     DEFAULT_MAX_TOKENS,
     CompletionRequest,
     OpenAIError,
-    StopStrings,
-    cut_at_stop,
     usage,
 )
 from exo_split.transport.server import (
@@ -45,6 +43,7 @@ from exo_split.transport.server import (
     hang_up,
     while_connected,
 )
+from exo_split.transport.stops import StopStrings, cut_at_stop
 from exo_split.transport.tools import Convention, ToolStream, convention_of, json_grammar
 
 log = logging.getLogger(__name__)
@@ -71,12 +70,12 @@ async def serve(
             raise unknown_model(req.model, state.model_id)
         convention = _convention(state, req)
         ids, max_tokens = await _admit(state, req)
-        constraint = await _constraint(state, req, convention)
+        constraints = [await _constraint(state, req, convention) for _ in range(req.n)]
     except OpenAIError as exc:
         return error(exc)
     scope = scope_of(state.token, request.get(CLIENT, ""))  # each key's prefixes its own
     gen = dataclasses.replace(req.generate_request(max_tokens), scope=scope)
-    need = state.coordinator.kv_need(len(ids), max_tokens)
+    need = req.n * state.coordinator.kv_need(len(ids), max_tokens)  # each choice its cache
     with (
         state.coordinator.reusing(gen, ids) as checkout,
         Slot(state, "generate"),
@@ -84,11 +83,13 @@ async def serve(
     ):
         state.count(kind)
         run = make_run(request, state, req, convention)
+        run.peers = [make_run(request, state, req, convention, index=i) for i in range(1, req.n)]
+        others = [(p.emit, p.stopped, c) for p, c in zip(run.peers, constraints[1:], strict=True)]
 
         def work():
             return state.coordinator.generate(
-                gen, run.emit, arrived=arrived, prompt_ids=ids, until=lambda: run.stops.hit,
-                checkout=checkout, constraint=constraint,
+                gen, run.emit, arrived=arrived, prompt_ids=ids, until=run.stopped,
+                checkout=checkout, constraint=constraints[0], others=others,
             )  # fmt: skip
 
         return await (run.stream(work) if req.stream else run.respond(work))
@@ -173,8 +174,9 @@ class Run:
     keepalive = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes
 
     def __init__(self, request: web.Request, state, req: CompletionRequest,
-                 convention: Convention | None = None):  # fmt: skip
-        self.request, self.state, self.req = request, state, req
+                 convention: Convention | None = None, index: int = 0):  # fmt: skip
+        self.request, self.state, self.req, self.index = request, state, req, index
+        self.peers: list[Run] = []  # the other choices (n > 1): the API's shapes send them
         self.stops = StopStrings(req.stop)
         self.sent = ""  # text streamed so far
         self.write: Writer | None = None
@@ -205,6 +207,10 @@ class Run:
         """An error after the 200: it travels in the stream."""
 
     # ---- the run ----
+
+    def stopped(self) -> bool:
+        """Whether a stop string has ended this choice's text (the decode's `until`)."""
+        return self.stops.hit
 
     async def emit(self, event: dict) -> None:
         if event.get("type") != "token":

@@ -23,8 +23,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -168,6 +169,7 @@ class Coordinator(RemotePull):
         until: Callable[[], bool] | None = None,
         checkout: Checkout | None = None,
         constraint: Constraint | None = None,
+        others: Sequence[Other] = (),
     ) -> dict:
         """Run one request, emitting token events; returns the final `done` event.
 
@@ -183,15 +185,25 @@ class Coordinator(RemotePull):
         has been emitted (then through `emit`, one by one): True ends the generation there,
         as an end-of-turn token would, and the `done` event still comes.
 
+        `others`: more choices of the same prompt (the OpenAI API's `n`), each (emit, until,
+        constraint): the prompt is prefilled once, all but its last position, and each choice
+        decodes from a copy of that KV, choice i with the seed plus i; their `done` events
+        are this one's `others`, in order.
+
         Cancelling it (the client went away) closes the stream from the prefill peer, which
         stops that prefill, stops a local prefill at its next layer or the decode at its next
         step, and returns once the compute thread has let go of this request's KV.
         """
         stop = threading.Event()
+        ids = list(prompt_ids) if prompt_ids is not None else None
+        choices = [self._choice(req, emit, emit_many, until, constraint)]
+        for i, (emit_i, until_i, constraint_i) in enumerate(others, start=1):
+            sampling = dataclasses.replace(req.sampling, seed=req.sampling.seed + i)
+            req_i = dataclasses.replace(req, sampling=sampling, prefix_cache=False)
+            choices.append(self._choice(req_i, emit_i, None, until_i, constraint_i))
         try:
-            return await self._generate(
-                req, emit, arrived, stop, prompt_ids, emit_many, until, checkout, constraint
-            )
+            ids = ids if ids is not None else await self.tokenize_off_loop(req)
+            return await self._generate(req, ids, choices, arrived, stop, checkout)
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
@@ -199,53 +211,33 @@ class Coordinator(RemotePull):
                 await wait_through_cancel(asyncio.ensure_future(self._run(_nothing)))
             raise
 
+    def _choice(self, req, emit, emit_many, until, constraint) -> _Choice:
+        lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
+        return _Choice(req, emit, emit_many, until, constraint, lps, TextStream(self.codec))
+
     async def _generate(
         self,
         req: GenerateRequest,
-        emit: Emit,
+        ids: list[int],
+        choices: list[_Choice],
         arrived: float,
         stop: threading.Event,
-        prompt_ids: list[int] | None,
-        emit_many: EmitMany | None,
-        until: Callable[[], bool] | None,
         checkout: Checkout | None,
-        constraint: Constraint | None = None,
     ) -> dict:
-        ids = list(prompt_ids) if prompt_ids is not None else await self.tokenize_off_loop(req)
-        lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
-        adjust = self._adjust(req, ids)  # penalties, logit_bias, min_tokens
-        # A mask, logprobs or adjusted logits: the decode loop picks the first token too, and
-        # the prefill computes the prompt but its last position.
-        own = constraint is not None or lps is not None or adjust is not None
+        main, emit = choices[0], choices[0].emit
+        for c in choices:
+            c.adjust = self._adjust(c.req, ids)  # penalties, logit_bias, min_tokens
+        # A mask, logprobs, adjusted logits or several choices: the decode loop picks the
+        # first token too, and the prefill computes the prompt but its last position.
+        own = len(choices) > 1 or any(
+            c.constraint is not None or c.lps is not None or c.adjust is not None for c in choices
+        )
         pre = ids[:-1] if own else ids  # what the prefill computes
         capacity = len(ids) + req.max_tokens
-        stream = TextStream(self.codec)
-        tokens: list[int] = []
-        times: list[float] = []
-
-        async def emit_tokens(batch: Batch) -> bool:
-            """Record and emit these tokens; False once `until` has ended the generation
-            (the tokens after that one are dropped)."""
-            if until is None and emit_many is not None:
-                events = []
-                for token, at in batch:
-                    tokens.append(token)
-                    times.append(at)
-                    events.append(self._token_event(token, stream, lps, len(tokens) - 1))
-                await emit_many(events)
-                return True
-            for token, at in batch:
-                tokens.append(token)
-                times.append(at)
-                await emit(self._token_event(token, stream, lps, len(tokens) - 1))
-                if until is not None and until():
-                    return False
-            return True
 
         async def emit_token(token: int) -> None:
-            ended[0] = not await emit_tokens([(token, clock())])
+            main.ended = not await self._emit_tokens(main, [(token, clock())])
 
-        ended = [False]
         # The longest prefix this node holds: [0, m) is not prefilled again, nor sent.
         reuse = self.prefix if req.prefix_cache else None
         held, m = None, 0
@@ -291,29 +283,46 @@ class Coordinator(RemotePull):
                                        capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
                 held = done.cache
             cache, logits, done = done.cache, done.logits, None
-            if not tokens and not own:
+            if not main.tokens and not own:
                 await emit_token(sample(logits, req.sampling, 0)[0])
         local_end = clock()
-        stats = DecodeStats()
         held = None
-        if not ended[0]:
-            first = (ids[-1], 0) if own else (tokens[0], 1)
-            box, cache = [cache], None  # the decode owns it now (a batch copies it)
-            need = self.kv_need(len(ids), req.max_tokens)
-            done, cache = await self._decode(box, first, req, stop, stats, emit_tokens,
-                                             constraint, lps, adjust, need, reuse is not None)  # fmt: skip
-            ended[0] = not done
-        if reuse is not None and cache is not None:
-            await self._keep(reuse, cache, ids + tokens, req.scope)
+        shared = _Shared(ids, own, remote, fallback, decision, arrived, (local_start, local_end), m)
+        caches = [cache] + [await self._run(self.backend.fork, cache, len(pre), capacity)
+                            for _ in choices[1:]]  # fmt: skip
         del cache
+        runs = [self._decode_choice(c, [caches.pop(0)], shared, stop, reuse if c is main else None)
+                for c in choices]  # fmt: skip
+        dones = await _all(runs)
+        if len(dones) > 1:
+            dones[0]["others"] = dones[1:]
+        return dones[0]
+
+    async def _decode_choice(self, c: _Choice, box: list, shared: _Shared, stop, reuse) -> dict:
+        """One choice's decode after the prefill, and its `done` event (the cache in `box`
+        is its own, taken out of it)."""
+        ids, req, stats = shared.ids, c.req, DecodeStats()
+        if not c.ended:
+            first = (ids[-1], 0) if shared.own else (c.tokens[0], 1)
+            need = self.kv_need(len(ids), req.max_tokens)
+            done, cache = await self._decode(box, first, req, stop, stats, c, need,
+                                             reuse is not None)  # fmt: skip
+            c.ended = not done
+        else:
+            cache = box.pop()
+        if reuse is not None and cache is not None:
+            await self._keep(reuse, cache, ids + c.tokens, req.scope)
+        del cache
+        tokens = c.tokens
         stopped_by = (
-            "until" if ended[0]
+            "until" if c.ended
             else "end_of_turn" if tokens[-1] in self._stop_ids(req)
-            or (constraint is not None and constraint.done)
+            or (c.constraint is not None and c.constraint.done)
             else "max_tokens"
         )  # fmt: skip
-        timeline = build_timeline(self.spec.n_layers, ids, remote, fallback, decision, arrived,
-                                  (local_start, local_end), times, req)  # fmt: skip
+        remote, fallback, m = shared.remote, shared.fallback, shared.cached
+        timeline = build_timeline(self.spec.n_layers, ids, remote, fallback, shared.decision,
+                                  shared.arrived, shared.local, c.times, req)  # fmt: skip
         k = remote.hello.get("prefill_cached_tokens", 0) if remote and remote.hello else 0
         prefix = prefix_report(m, k, len(ids) - (m if fallback or remote is None else k))
         timeline = dataclasses.replace(
@@ -325,12 +334,31 @@ class Coordinator(RemotePull):
             "type": "done",
             "tokens": tokens,
             "text": text,
-            "tail": stream.finish(text),
+            "tail": c.stream.finish(text),
             "prompt_tokens": len(ids),
             "stopped_by": stopped_by,
             "finish_reason": "length" if stopped_by == "max_tokens" else "stop",
             "report": report,
         }
+
+    async def _emit_tokens(self, c: _Choice, batch: Batch) -> bool:
+        """Record and emit these tokens; False once `until` has ended the generation (the
+        tokens after that one are dropped)."""
+        if c.until is None and c.emit_many is not None:
+            events = []
+            for token, at in batch:
+                c.tokens.append(token)
+                c.times.append(at)
+                events.append(self._token_event(token, c.stream, c.lps, len(c.tokens) - 1))
+            await c.emit_many(events)
+            return True
+        for token, at in batch:
+            c.tokens.append(token)
+            c.times.append(at)
+            await c.emit(self._token_event(token, c.stream, c.lps, len(c.tokens) - 1))
+            if c.until is not None and c.until():
+                return False
+        return True
 
     async def _keep(self, reuse: PrefixCache, cache, tokens: list[int], scope: str) -> None:
         """Hand a finished request's cache to the prefix cache: it covers the prompt and the
@@ -339,11 +367,13 @@ class Coordinator(RemotePull):
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache, scope)
 
-    async def _decode(self, box, first, req, stop, stats, emit_tokens, constraint, lps, adjust,
-                      need, keep) -> tuple[bool, object]:  # fmt: skip
-        """Decode from `first` (token, step) the cache `box` holds (taken out of it): in the
-        node's batch where the backend has one, else as compute jobs of its own. (False if
-        `until` ended it, the cache after: None if it went with the batch and not `keep`.)"""
+    async def _decode(self, box, first, req, stop, stats, c: _Choice, need,
+                      keep) -> tuple[bool, object]:  # fmt: skip
+        """Decode choice `c` from `first` (token, step) on the cache `box` holds (taken out
+        of it): in the node's batch where the backend has one, else as compute jobs of its
+        own. (False if `until` ended it, the cache after: None if it went with the batch and
+        not `keep`.)"""
+        constraint, lps, adjust = c.constraint, c.lps, c.adjust
         cache = box.pop()
         kw = {} if lps is None else {"logprobs": lps, "top_logprobs": req.logprobs}
         if self.batch is not None:
@@ -359,7 +389,7 @@ class Coordinator(RemotePull):
             async with contextlib.aclosing(self.batch.rows(row, kept)) as batches:
                 del row
                 async for batch in batches:
-                    if not await emit_tokens(batch):
+                    if not await self._emit_tokens(c, batch):
                         ok = False
                         break
             return ok, kept[0] if kept else None  # kept: once the row has left
@@ -374,7 +404,7 @@ class Coordinator(RemotePull):
 
         async with contextlib.aclosing(decode_events(self.executor, steps)) as batches:
             async for batch in batches:
-                if not await emit_tokens(batch):
+                if not await self._emit_tokens(c, batch):
                     return False, cache
         return True, cache
 
@@ -390,6 +420,53 @@ class Coordinator(RemotePull):
         if lps is not None and i < len(lps):  # (the loop appended it before yielding)
             event["logprob"], event["top_logprobs"] = lps[i]
         return event
+
+
+Other = tuple  # another choice of a request: (emit, until, constraint)
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One choice of a request: where its tokens go, and what its decode produced."""
+
+    req: GenerateRequest  # its own (the seed of choice i is the request's plus i)
+    emit: Emit
+    emit_many: EmitMany | None
+    until: Callable[[], bool] | None
+    constraint: Constraint | None
+    lps: list | None
+    stream: TextStream
+    adjust: Adjust | None = None
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    ended: bool = False  # `until` ended it
+
+
+@dataclass
+class _Shared:
+    """What every choice's report takes from the request's one prefill."""
+
+    ids: list[int]
+    own: bool  # the decode computes the prompt's last position
+    remote: Remote | None
+    fallback: str | None
+    decision: dict | None
+    arrived: float
+    local: tuple[float, float]
+    cached: int  # prompt positions this node's prefix cache held
+
+
+async def _all(runs: list) -> list:
+    """Await every coroutine; one failing cancels the rest (and waits for them)."""
+    if len(runs) == 1:
+        return [await runs[0]]
+    tasks = [asyncio.ensure_future(r) for r in runs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # Text work of every request (templates, tokenizers), one at a time, off the event loop.

@@ -8,6 +8,7 @@ arguments, the report in an `exo_split` field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -68,13 +69,18 @@ def _error(exc: OpenAIError) -> web.Response:
 
 
 class _OpenAIRun(Run):
-    def __init__(self, request, state, req: CompletionRequest, convention=None):
-        super().__init__(request, state, req, convention)
+    """One choice's shapes; the first choice's run also sends its `peers`' ends (n > 1)."""
+
+    def __init__(self, request, state, req: CompletionRequest, convention=None, index=0):
+        super().__init__(request, state, req, convention, index)
         self.reply = Reply.new(req.chat, int(time.time()), req.model, state.spec.fingerprint)
 
     async def start(self) -> None:
-        if self.req.chat:
-            await self._send(self.reply.chunk("", **self._usage_null()))  # the role
+        for peer in self.peers:  # one stream, one id for every choice
+            peer.write, peer.reply = self.write, dataclasses.replace(self.reply, index=peer.index)
+        for run in (self, *self.peers):
+            if self.req.chat:
+                await run._send(run.reply.chunk("", **run._usage_null()))  # the role
 
     async def piece(self, text: str) -> None:
         await self._send(
@@ -91,6 +97,19 @@ class _OpenAIRun(Run):
         return logprobs_block(self.req.chat, new, offset)
 
     async def end(self, text: str, reason: str, use: dict, done: dict, calls: list) -> None:
+        report = {"exo_split": {"report": done["report"]}}
+        await self._end_choice(text, reason, done, calls, {} if self.req.include_usage else report)
+        for peer, d in zip(self.peers, done.get("others", []), strict=True):
+            t, r, u = peer.final(d)
+            use = _plus(use, u)
+            await peer._end_choice(t, r, d, peer.calls(r), {"exo_split": {"report": d["report"]}})
+        if self.req.include_usage:
+            await self._send(self.reply.usage_chunk(use, **report))
+        await self.write(b"data: [DONE]\n\n")
+
+    async def _end_choice(self, text: str, reason: str, done: dict, calls: list,
+                          extra: dict) -> None:  # fmt: skip
+        """What is left of one choice's text, its calls, its finish_reason (with `extra`)."""
         rest = text[len(self.sent) :] if text.startswith(self.sent) else ""
         kept = len(self.kept_logprobs(text, done))
         if rest or (self.req.logprobs is not None and self.lps_sent < kept):
@@ -101,15 +120,19 @@ class _OpenAIRun(Run):
             args, whole["function"]["arguments"] = whole["function"]["arguments"], ""
             for delta in (whole, {"index": i, "function": {"arguments": args}}):
                 await self._send(self.reply.chunk(tool_calls=[delta], **self._usage_null()))
-        report = {"exo_split": {"report": done["report"]}}
-        if self.req.include_usage:
-            await self._send(self.reply.chunk(None, reason, usage=None))
-            await self._send(self.reply.usage_chunk(use, **report))
-        else:
-            await self._send(self.reply.chunk(None, reason, **report))
-        await self.write(b"data: [DONE]\n\n")
+        await self._send(self.reply.chunk(None, reason, **self._usage_null(), **extra))
 
     def response(self, text: str, reason: str, use: dict, done: dict, calls: list) -> dict:
+        out = self._response(text, reason, use, done, calls)
+        for peer, d in zip(self.peers, done.get("others", []), strict=True):
+            peer.reply = dataclasses.replace(self.reply, index=peer.index)
+            t, r, u = peer.final(d)
+            out["choices"] += peer._response(t, r, u, d, peer.calls(r))["choices"]
+            out["usage"] = _plus(out["usage"], u)
+            out["exo_split"].setdefault("choices", [done["report"]]).append(d["report"])
+        return out
+
+    def _response(self, text: str, reason: str, use: dict, done: dict, calls: list) -> dict:
         tool_calls = [c.to_openai() for c in calls] or None
         lps = None
         if self.req.logprobs is not None:
@@ -127,6 +150,12 @@ class _OpenAIRun(Run):
 
     async def _send(self, obj: dict) -> None:
         await self.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _plus(use: dict, more: dict) -> dict:
+    """Usage of one more choice of the same prompt: its completion tokens added."""
+    n = use["completion_tokens"] + more["completion_tokens"]
+    return use | {"completion_tokens": n, "total_tokens": use["prompt_tokens"] + n}
 
 
 def add_routes(app: web.Application) -> None:

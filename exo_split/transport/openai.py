@@ -6,7 +6,8 @@ responses, stream chunks and errors out. The handlers are in node/openai.py.
 - Options: max_tokens (max_completion_tokens), temperature, top_p, seed, stop, stream,
   stream_options.include_usage, ignore_eos, tools / tool_choice / parallel_tool_calls and
   response_format (transport/tools.py). Options that would change the output and that
-  exo-split does not implement (n > 1, top_k, ...) are refused, not ignored. Penalties,
+  exo-split does not implement (best_of, top_k, ...) are refused, not ignored. n (up to 8)
+  choices decode side by side, choice i with the seed plus i. Penalties,
   logit_bias and min_tokens change the logits before the rule (sampling.Adjust). logprobs
   (top_logprobs up to 20) come from the decode loop, first token included.
 - Without a seed, a random one is drawn per request, as OpenAI samples without one.
@@ -24,6 +25,7 @@ from typing import Any
 from exo_split.errors import BadMessages
 from exo_split.sampling import MAX_TOP_LOGPROBS, Sampling
 from exo_split.transport.messages import GenerateRequest, check_messages, lone_surrogate
+from exo_split.transport.stops import parse_stops
 from exo_split.transport.tools import (
     BadTools,
     check_response_format,
@@ -32,7 +34,7 @@ from exo_split.transport.tools import (
 )
 
 DEFAULT_MAX_TOKENS = 512  # when the request names none (capped by the context left)
-MAX_STOPS = 4  # as OpenAI
+MAX_CHOICES = 8  # n: choices decode side by side in the node's batch
 # Options we refuse unless they have their neutral value: (name, is it neutral?, why not).
 # Each would change the output; none is ever ignored (docs/api.md lists every field).
 _SAMPLER = (
@@ -40,8 +42,7 @@ _SAMPLER = (
     "and logit_bias only"
 )
 _UNSUPPORTED = (
-    ("n", lambda v: v in (None, 1), "one choice per request"),
-    ("best_of", lambda v: v in (None, 1), "one choice per request"),
+    ("best_of", lambda v: v in (None, 1), "no server-side ranking of choices: send n"),
     ("echo", lambda v: v in (None, False), "not implemented"),
     ("suffix", lambda v: v in (None, ""), "no fill-in-the-middle"),
     ("top_k", lambda v: v in (None, 0, -1), _SAMPLER),
@@ -100,6 +101,7 @@ class CompletionRequest:
     schema: dict | None = None
     logprobs: int | None = None  # None: none; n: each token's log-probability and n more
     adjust: dict | None = None  # penalties, logit_bias, min_tokens (sampling.Adjust)
+    n: int = 1  # choices of the one prompt; choice i samples with the seed plus i
     # exo-split's own options, in the body's "exo_split" object (the openai client's
     # extra_body): where to prefill, as POST /v1/generate takes them.
     split: dict[str, Any] = field(default_factory=dict)
@@ -149,12 +151,13 @@ class CompletionRequest:
             model=model,
             max_tokens=_max_tokens(body),
             sampling=_sampling(body),
-            stop=_stop(body.get("stop")),
+            stop=parse_stops(body.get("stop"), _bad),
             stream=stream,
             include_usage=stream and bool(options.get("include_usage")),
             ignore_eos=ignore_eos,
             logprobs=_logprobs(body, chat),
             adjust=_adjust(body),
+            n=_choices(body),
             split=_split_options(body.get("exo_split")),
             **fields,
         )
@@ -182,6 +185,13 @@ class CompletionRequest:
             adjust=self.adjust,
             **self.split,
         )
+
+
+def _choices(body: dict) -> int:
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise _bad(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
+    return n or 1
 
 
 def _adjust(body: dict) -> dict | None:
@@ -356,57 +366,6 @@ def _sampling(body: dict) -> Sampling:
     )
 
 
-def _stop(stop: Any) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise _bad("stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOPS:
-        raise _bad(f"at most {MAX_STOPS} stop strings, got {len(stops)}", "stop")
-    return tuple(s for s in stops if s)
-
-
-class StopStrings:
-    """Text pieces in, text out up to the first stop string to appear (not included).
-
-    Text that could be the start of a stop string is held back until the next piece says
-    whether it is one: what comes out equals `cut(whole text)`, piece by piece."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.hit = False
-        self._held = ""
-
-    def push(self, piece: str) -> str:
-        if self.hit:
-            return ""
-        text = self._held + piece
-        cut = cut_at_stop(text, self.stops)
-        if cut is not None:
-            self.hit, self._held = True, ""
-            return text[:cut]
-        keep = max((_overlap(text, s) for s in self.stops), default=0)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep]
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where the text ends because of a stop string (None: it does not): at the start of the
-    first one to be complete as the text grows (the earliest end; on a tie the longest), which
-    is where a stream notices it."""
-    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return min(found)[1] if found else None
-
-
-def _overlap(text: str, stop: str) -> int:
-    """The longest end of `text` that starts `stop` (shorter than `stop` itself)."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -424,6 +383,7 @@ class Reply:
     created: int
     model: str
     fingerprint: str
+    index: int = 0  # the choice (n > 1)
 
     @classmethod
     def new(cls, chat: bool, created: int, model: str, fingerprint: str) -> Reply:
@@ -441,9 +401,9 @@ class Reply:
             message = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
-            choice = {"index": 0, "message": message}
+            choice = {"index": self.index, "message": message}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         head = self._head("chat.completion" if self.chat else "text_completion")
         return head | {"choices": [choice], "usage": use, "exo_split": {"report": report}}
@@ -459,9 +419,9 @@ class Reply:
                 delta = {"tool_calls": tool_calls}
             if text == "" and finish_reason is None:  # the first chunk names the role
                 delta = {"role": "assistant", "content": ""}
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
         choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return head | {"choices": [choice]} | extra

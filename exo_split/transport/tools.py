@@ -23,6 +23,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from exo_split.transport.stops import overlap
+
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -266,13 +268,6 @@ class ToolStream:
         if at >= 0:
             self.in_call, self.held = True, text[at:]
             return text[:at]
-        keep = _overlap(text, self.start)
+        keep = overlap(text, self.start)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep]
-
-
-def _overlap(text: str, start: str) -> int:
-    for n in range(min(len(text), len(start) - 1), 0, -1):
-        if text.endswith(start[:n]):
-            return n
-    return 0
