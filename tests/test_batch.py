@@ -264,3 +264,56 @@ def test_a_row_that_asks_to_stop_before_its_first_step_leaves_cleanly(coordinato
     done = asyncio.run(go())
     assert done["stopped_by"] == "until" and len(done["tokens"]) == 1
     assert co.batch.batcher.describe()["rows"] == 0
+
+
+def test_a_local_prefill_is_sliced_to_about_a_quarter_second_at_the_nodes_speed(
+    coordinator, monkeypatch
+):
+    """The slices of a local prefill follow the node's learned prefill speed (SLICE_S of
+    work each, within [MIN_SLICE, LOCAL_SLICE]); the answer is the unsliced one."""
+    co = coordinator
+    whole = asyncio.run(_gen(co, dict(_body(9), max_tokens=4)))
+    assert [co._slice() for co.local_speed in (lambda: None, lambda: 1000.0, lambda: 10.0)] == [
+        512, 250, 32,
+    ]  # fmt: skip
+    calls = []
+    real = co.backend.prefill
+    monkeypatch.setattr(
+        co.backend, "prefill", lambda ids, **kw: calls.append(len(ids)) or real(ids, **kw)
+    )
+    sliced = asyncio.run(_gen(co, dict(_body(9), max_tokens=4)))
+    assert calls == [32, 64, 93]  # the 93-token prompt in 32-position jobs
+    assert sliced["tokens"] == whole["tokens"]
+
+
+def test_a_joiner_waiting_for_room_that_is_cancelled_leaves_without_waiting_for_the_batch(
+    coordinator,
+):
+    co = coordinator
+    co.batch.batcher.take = lambda n: False
+    log: list[tuple[str, str]] = []
+    long = dict(_body(0), max_tokens=150)
+
+    async def go():
+        a = asyncio.ensure_future(_gen(co, long, log, "A"))
+        for _ in range(20_000):
+            if log.count(("A", "token")) >= 5:
+                break
+            await asyncio.sleep(0.002)
+        b = asyncio.ensure_future(_gen(co, BODIES[1], log, "B"))
+        for _ in range(20_000):  # B's first token (the prefill's) is out; it waits to join
+            if co.batch.batcher.describe()["joining"] == 1 or a.done():
+                break
+            await asyncio.sleep(0.002)
+        waiting = co.batch.batcher.describe()["joining"]
+        b.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        a_done_then = a.done()
+        return waiting, a_done_then, await a
+
+    waiting, a_done_then, a = asyncio.run(go())
+    assert waiting == 1 and not a_done_then  # B left while A still decoded
+    assert len(a["tokens"]) == 150
+    after = co.batch.batcher.describe()
+    assert after["rows"] == 0 and after["joining"] == 0

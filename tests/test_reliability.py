@@ -70,6 +70,8 @@ def nodes(ckpt, tmp_path_factory):
     for k in KILL_AT:
         env = {"EXO_SPLIT_TEST_DIE_AFTER_LAYER": str(k)}
         started[f"die{k}"] = NodeProcess(ckpt, "torch", work, env=env)
+    env = {"EXO_SPLIT_TEST_DIE_AFTER_LAYER": "2"}
+    started["die_beside"] = NodeProcess(ckpt, "torch", work, env=env)
     yield from running(started)
 
 
@@ -163,6 +165,33 @@ def test_prefill_node_sigkilled_after_layer_k_falls_back_to_local(nodes, expecte
     # node awaits each frame's write and sleeps 0.2 s before its SIGKILL).
     assert [p["layer"] for p in rep["layers"]] == list(range(k + 1))
     print(f"killed after layer {k}: fallback done in {elapsed:.2f} s ({rep['fallback']})")
+    assert_idle(decode)
+
+
+def test_a_peer_dying_while_others_decode_falls_back_without_disturbing_them(nodes, expected):
+    """A long request decodes on the decode node while another's prefill peer dies mid-
+    stream: the newcomer falls back, prefills locally and decodes beside it (they share
+    batched steps), both with their solo tokens."""
+    dying, decode = nodes["die_beside"], nodes["decode"]
+    long = {"token_ids": prompt_ids(20, seed=9), "max_tokens": 1500, "ignore_eos": True,
+            "prefill": "local"}  # fmt: skip
+    alone = _done(asyncio.run(generate(decode.url, long)))
+
+    async def both():
+        return await asyncio.gather(
+            generate(decode.url, long),
+            generate(
+                decode.url,
+                {"token_ids": PROMPT, "max_tokens": NEW_TOKENS, "prefill_peer": dying.addr},
+            ),  # fmt: skip
+        )
+
+    a_events, b_events = asyncio.run(both())
+    assert dying.proc.wait(10) == -signal.SIGKILL
+    assert_fell_back(b_events, expected, "closed the stream")
+    a = _done(a_events)
+    assert a["tokens"] == alone["tokens"]
+    assert a["report"]["timeline"]["decode"]["batch"]["max"] == 2  # B joined A's steps
     assert_idle(decode)
 
 

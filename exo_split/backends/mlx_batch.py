@@ -215,9 +215,10 @@ class Batcher:
             joining, self._joining = self._joining, []
         ready = []
         for r in joining:
-            if r.start > 0:
+            if r.feed is None and r.start > 0:  # (a joiner that waited for room took it)
                 take(r.first_token, r.picker.constraint, r.picker.adjust)
-            if r.max_tokens <= r.start or (r.start > 0 and r.first_token in r.stop_ids):
+            if (r.max_tokens <= r.start or (r.start > 0 and r.first_token in r.stop_ids)
+                    or r.should_stop()):  # fmt: skip
                 r.ended = True
                 self._done(r, r.cache if r.keep_cache else None)
                 continue
@@ -233,9 +234,13 @@ class Batcher:
             self.rows, self.cache, self.pads = ready, ready[0].cache, [0]
             ready[0].cache = None
             return
-        if not self._compose(ready):
-            with self._lock:  # no room to copy the batch now: at a later step
-                self._joining[:0] = ready
+        if self._compose(ready):
+            return
+        if not self.rows:  # no room for a batch of them: the first alone, on its own cache
+            self.rows, self.cache, self.pads = ready[:1], ready[0].cache, [0]
+            ready[0].cache, ready = None, ready[1:]
+        with self._lock:  # no room to copy the batch now: at a later step
+            self._joining[:0] = ready
 
     # ---- the batch cache ----
 

@@ -149,6 +149,7 @@ class Node:
             grammars=Grammars(config.model_dir, self.spec.vocab_size, self.codec.eos_ids),
         )
         self.coordinator.on_done = self._learn
+        self.coordinator.local_speed = self.learned.local.headline
 
     def _configure_staging(self) -> None:
         """The torch prefill's staging ring, pinned once at start-up (never during a request);

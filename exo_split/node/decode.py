@@ -59,7 +59,9 @@ clock = time.perf_counter
 Emit = Callable[[dict], Awaitable[None]]
 EmitMany = Callable[[list[dict]], Awaitable[None]]  # several events, in order, in one write
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
-LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill
+LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill, at most
+MIN_SLICE = 32  # ... and at least
+SLICE_S = 0.25  # a slice's target length: other requests' decode steps wait at most this
 
 
 class Coordinator(RemotePull):
@@ -90,6 +92,9 @@ class Coordinator(RemotePull):
         self.session = session
         self.choose_peer = choose_peer
         self.max_frame_bytes = max_frame_bytes
+        # This node's prefill speed (tok/s, learned from what it serves; None: not known):
+        # a local prefill's slices are sized to about SLICE_S seconds each.
+        self.local_speed: Callable[[], float | None] = lambda: None
         batcher = backend.batcher() if hasattr(backend, "batcher") else None
         self.batch = BatchDriver(executor, batcher) if batcher is not None else None
 
@@ -275,9 +280,10 @@ class Coordinator(RemotePull):
         local_start = clock()
         if cache is None:
             done = None
-            # In slices of LOCAL_SLICE positions, each a job of its own: the compute thread
+            # In slices (`_slice`), each a job of its own: the compute thread
             # runs other requests' decode slices between them (node/tokens.py).
-            for end in [*range(m + LOCAL_SLICE, len(pre), LOCAL_SLICE), len(pre)]:
+            step = self._slice()
+            for end in [*range(m + step, len(pre), step), len(pre)]:
                 kept = {"cache": held} if held is not None else {}
                 done = await self._run(self.backend.prefill, pre[:end], chunk=req.chunk,
                                        capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
@@ -297,6 +303,14 @@ class Coordinator(RemotePull):
         if len(dones) > 1:
             dones[0]["others"] = dones[1:]
         return dones[0]
+
+    def _slice(self) -> int:
+        """Positions per job of a local prefill: about SLICE_S seconds' worth at this node's
+        speed, within [MIN_SLICE, LOCAL_SLICE] (LOCAL_SLICE while the speed is unknown)."""
+        speed = self.local_speed()
+        if not speed:
+            return LOCAL_SLICE
+        return max(min(LOCAL_SLICE, MIN_SLICE), min(LOCAL_SLICE, int(speed * SLICE_S)))
 
     async def _decode_choice(self, c: _Choice, box: list, shared: _Shared, stop, reuse) -> dict:
         """One choice's decode after the prefill, and its `done` event (the cache in `box`
