@@ -266,24 +266,44 @@ def test_a_row_that_asks_to_stop_before_its_first_step_leaves_cleanly(coordinato
     assert co.batch.batcher.describe()["rows"] == 0
 
 
-def test_a_local_prefill_is_sliced_to_about_a_quarter_second_at_the_nodes_speed(
+def test_a_local_prefill_beside_decodes_is_sliced_to_about_a_quarter_second(
     coordinator, monkeypatch
 ):
-    """The slices of a local prefill follow the node's learned prefill speed (SLICE_S of
-    work each, within [MIN_SLICE, LOCAL_SLICE]); the answer is the unsliced one."""
+    """While others decode, a local prefill runs in slices of SLICE_S at the node's learned
+    prefill speed (within [MIN_SLICE, LOCAL_SLICE]); alone, in LOCAL_SLICE ones. Either way
+    the answer is the same."""
     co = coordinator
-    whole = asyncio.run(_gen(co, dict(_body(9), max_tokens=4)))
-    assert [co._slice() for co.local_speed in (lambda: None, lambda: 1000.0, lambda: 10.0)] == [
-        512, 250, 32,
-    ]  # fmt: skip
+    co.local_speed = lambda: 10.0  # tok/s: 2.5 positions a slice, so MIN_SLICE (32)
+    body = dict(_body(9), max_tokens=4)  # a 93-token prompt
     calls = []
     real = co.backend.prefill
-    monkeypatch.setattr(
-        co.backend, "prefill", lambda ids, **kw: calls.append(len(ids)) or real(ids, **kw)
-    )
-    sliced = asyncio.run(_gen(co, dict(_body(9), max_tokens=4)))
-    assert calls == [32, 64, 93]  # the 93-token prompt in 32-position jobs
-    assert sliced["tokens"] == whole["tokens"]
+
+    def counted(ids, **kw):
+        calls.append(len(ids))
+        return real(ids, **kw)
+
+    monkeypatch.setattr(co.backend, "prefill", counted)
+    log: list[tuple[str, str]] = []
+
+    async def go():
+        alone = await _gen(co, body)
+        solo_calls = list(calls)
+        a = asyncio.ensure_future(_gen(co, dict(_body(0), max_tokens=200), log, "A"))
+        for _ in range(20_000):
+            if log.count(("A", "token")) >= 3:
+                break
+            await asyncio.sleep(0.002)
+        calls.clear()
+        beside = await _gen(co, body)
+        return alone, solo_calls, list(calls), beside, await a
+
+    alone, solo_calls, beside_calls, beside, a = asyncio.run(go())
+    assert solo_calls == [93]  # nothing else decoding: one job
+    assert beside_calls == [32, 64, 93]  # beside A: 32-position jobs
+    assert beside["tokens"] == alone["tokens"]
+    assert len(a["tokens"]) == 200
+    co.local_speed = lambda: 1000.0
+    assert co._slice() == 512  # idle now: whole slices
 
 
 def test_a_joiner_waiting_for_room_that_is_cancelled_leaves_without_waiting_for_the_batch(

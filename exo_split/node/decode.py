@@ -282,8 +282,9 @@ class Coordinator(RemotePull):
             done = None
             # In slices (`_slice`), each a job of its own: the compute thread
             # runs other requests' decode slices between them (node/tokens.py).
-            step = self._slice()
-            for end in [*range(m + step, len(pre), step), len(pre)]:
+            end = m
+            while end < len(pre):
+                end = min(len(pre), end + self._slice())
                 kept = {"cache": held} if held is not None else {}
                 done = await self._run(self.backend.prefill, pre[:end], chunk=req.chunk,
                                        capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
@@ -305,10 +306,11 @@ class Coordinator(RemotePull):
         return dones[0]
 
     def _slice(self) -> int:
-        """Positions per job of a local prefill: about SLICE_S seconds' worth at this node's
-        speed, within [MIN_SLICE, LOCAL_SLICE] (LOCAL_SLICE while the speed is unknown)."""
+        """Positions for the next job of a local prefill: while other requests decode, about
+        SLICE_S seconds' worth at this node's speed, within [MIN_SLICE, LOCAL_SLICE]; else
+        (or while the speed is unknown) LOCAL_SLICE."""
         speed = self.local_speed()
-        if not speed:
+        if not speed or self.batch is None or not self.batch.batcher.busy:
             return LOCAL_SLICE
         return max(min(LOCAL_SLICE, MIN_SLICE), min(LOCAL_SLICE, int(speed * SLICE_S)))
 
