@@ -110,6 +110,7 @@ def test_requests_at_once_share_each_step_and_equal_their_solo_runs(coordinator)
         )
     assert [s["report"]["timeline"]["decode"]["batch"]["max"] for s in solo] == [1] * 5
     assert all(t["report"]["timeline"]["decode"]["batch"]["max"] >= 2 for t in together)
+    assert all(t["report"]["timeline"]["decode"]["queue_wait_s"] >= 0 for t in together)
     # One forward per step for all of them, not one per sequence: fewer forwards than the
     # tokens they decoded, and forwards of up to all five at once.
     decoded = sum(t["report"]["timeline"]["decode"]["steps"] for t in together)
@@ -144,8 +145,8 @@ def test_logprobs_beside_others_equal_the_solo_run(coordinator):
 
 
 def test_a_row_joins_mid_batch_and_its_slot_is_compacted_once_it_leaves(coordinator):
-    """B arrives while A decodes, shares A's steps, finishes first; a few of A's steps later
-    the batch holds A alone (B's slot compacted away, its bytes back in the ledger)."""
+    """B arrives while A decodes, shares A's steps, finishes first; while A still decodes the
+    batch comes to hold A alone (B's slot compacted away, its bytes back in the ledger)."""
     co = coordinator
     seen: list[dict] = []
     log: list[tuple[str, str]] = []
@@ -159,18 +160,19 @@ def test_a_row_joins_mid_batch_and_its_slot_is_compacted_once_it_leaves(coordina
                 break
             await asyncio.sleep(0.002)
         b = await _gen(co, BODIES[1], log, "B")
-        for _ in range(20_000):  # until A has had three more steps after B left
-            if log[log.index(("B", "done")) :].count(("A", "token")) >= 3 or a.done():
+        for _ in range(20_000):  # until B's slot is compacted away, or A ends (bounded)
+            d = co.batch.batcher.describe()
+            if (d["rows"], d["dead_rows"]) == (1, 0) or a.done():
                 break
             await asyncio.sleep(0.002)
-        seen.append(co.batch.batcher.describe())
+        seen.append(d | {"a_done": a.done()})
         return solo_b, b, await a
 
     solo_b, b, a = asyncio.run(go())
     assert b["tokens"] == solo_b["tokens"]
     assert b["report"]["timeline"]["decode"]["batch"]["min"] == 2  # every step beside A
     assert log.index(("B", "done")) < log.index(("A", "done"))
-    assert seen[0]["rows"] == 1 and seen[0]["dead_rows"] == 0
+    assert seen[0]["rows"] == 1 and seen[0]["dead_rows"] == 0 and not seen[0]["a_done"]
     spread = a["report"]["timeline"]["decode"]["batch"]
     assert spread["min"] == 1 and spread["max"] == 2  # alone, then beside B, then alone
     assert co.ledger.held == 0
@@ -226,6 +228,10 @@ def test_a_join_the_ledger_has_no_room_for_waits_until_a_row_leaves(coordinator)
     assert b["tokens"] == solo_b["tokens"]
     b_tokens = [i for i, e in enumerate(log) if e == ("B", "token")]
     assert b_tokens[1] > log.index(("A", "done"))  # its decode began after A's end
+    # Its report says it waited to join: longer than A's last tokens took to come.
+    a_times = a["report"]["timeline"]["token_times"]
+    waited = b["report"]["timeline"]["decode"]["queue_wait_s"]
+    assert waited > a_times[-1] - a_times[-5] > 0
     assert b["report"]["timeline"]["decode"]["batch"]["max"] == 1
 
 

@@ -160,3 +160,31 @@ def test_n_choices_share_one_prompt_each_equal_to_a_solo_run_with_its_seed(llama
     assert reasons == {0: "length", 1: "length", 2: "length"}
     assert whole.usage.prompt_tokens == 40 and whole.usage.completion_tokens == 36
     assert refused.status_code == 400 and refused.body["param"] == "n"
+
+
+def test_a_request_arriving_while_7_others_decode_finishes_before_any_of_them(llama):
+    """Seven long streams decode; an eighth request arrives once each has a few tokens: its
+    first token and its end come before any of the seven ends (it joined their steps, it
+    did not queue behind them), with its solo text."""
+    log: list[tuple[str, str]] = []
+
+    async def go():
+        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+            base_url=url, api_key=TOKEN, max_retries=0
+        ) as c:  # fmt: skip
+            longs = [asyncio.ensure_future(_stream(c, [3 + (i * 7 + k) % 500 for k in range(20)],
+                                                   LONG, log, f"L{i}"))
+                     for i in range(7)]  # fmt: skip
+            for _ in range(40_000):  # until each has streamed a few tokens (bounded)
+                if all(log.count((f"L{i}", "token")) >= 3 for i in range(7)):
+                    break
+                await asyncio.sleep(0.005)
+            late = await _stream(c, list(range(60, 100)), 8, log, "N")
+            await asyncio.gather(*longs)
+            solo = await _stream(c, list(range(60, 100)), 8, [], "N")
+        return late, solo
+
+    late, solo = asyncio.run(go())
+    first_long_end = min(log.index((f"L{i}", "done")) for i in range(7))
+    assert log.index(("N", "token")) < log.index(("N", "done")) < first_long_end
+    assert late == solo

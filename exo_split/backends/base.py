@@ -43,6 +43,7 @@ class DecodeStats:
     checked: int = 0
     corrected: int = 0
     sizes: list[int] = field(default_factory=list)  # batched: the batch's size at each step
+    queue_wait_s: float | None = None  # batched: its KV ready -> its first step queued
 
 
 class Constraint(Protocol):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ class Row:
     next: _Step | None = None
     feed: mx.array | None = None
     ended: bool = False
+    joined_at: float = 0.0  # when `join` was called (perf_counter)
 
 
 class Batcher:
@@ -98,6 +100,7 @@ class Batcher:
         return Row(cache, first_token, start, max_tokens, picker, stop_ids, **kw)
 
     def join(self, row: Row) -> None:
+        row.joined_at = time.perf_counter()
         with self._lock:
             self._joining.append(row)
 
@@ -130,10 +133,11 @@ class Batcher:
             self.fail(exc)
 
     def _step(self) -> None:
-        for r in self.rows:
-            if not r.ended and r.st is not None and r.should_stop():
-                r.ended = True
-                self._leave(r)
+        stopping = [r for r in self.rows if not r.ended and r.st is not None and r.should_stop()]
+        for r in stopping:
+            r.ended = True
+        if stopping:
+            self._leave(stopping)
         self._admit()
         live = [r for r in self.rows if not r.ended]
         if not live:
@@ -179,6 +183,8 @@ class Batcher:
             step = r.start if r.st is None else r.st.step + 1
             r.next = r.picker.start(step, logits[i : i + 1])
             r.feed = f
+            if r.picker.stats.queue_wait_s is None:
+                r.picker.stats.queue_wait_s = time.perf_counter() - r.joined_at
 
     def _read(self, rows: list[Row]) -> None:
         """Read the steps in flight (one transfer), redo the host's picks, hand the tokens on."""
@@ -204,9 +210,8 @@ class Batcher:
             r.on_token(token)
             if r.next is None or token in r.stop_ids or r.picker.finished:
                 r.ended = True
-        for r in rows:
-            if r.ended:
-                self._leave(r)
+        if any(r.ended for r in rows):
+            self._leave([r for r in rows if r.ended])
 
     def _admit(self) -> None:
         if self.rows and all(r.ended for r in self.rows):
@@ -297,8 +302,16 @@ class Batcher:
     def _own_bytes(self, joiners: list[Row], per: int) -> int:
         return sum(r.cache[0].keys.shape[2] * per for r in joiners)
 
-    def _leave(self, r: Row) -> None:
-        """A row ends: its KV out (if wanted), its slot dead, its bytes the batch's."""
+    def _leave(self, rows: list[Row]) -> None:
+        """Rows end: their KV out (if wanted), their slots dead, their bytes the batch's; the
+        batch gone if no row is left (its ledger bytes given back before anyone hears)."""
+        kept = [(r, self._take_out(r)) for r in rows]
+        if all(r.ended for r in self.rows):
+            self._drop_all()
+        for r, cache in kept:
+            self._done(r, cache)
+
+    def _take_out(self, r: Row) -> list | None:
         i = self.rows.index(r)
         kept = None
         if r.keep_cache:
@@ -318,7 +331,7 @@ class Batcher:
             self.force(more)
             self.extra += more
         r.next = None
-        self._done(r, kept)
+        return kept
 
     def _own(self, layer: int, keys: mx.array, values: mx.array) -> KVCache:
         c = self.new_layer(layer)

@@ -110,6 +110,7 @@ def decode_info(backend, stats, stopped_by: str) -> dict:
         # How many sequences shared its steps (None: decoded alone, by a loop that does not
         # batch: torch, or a model with sliding layers).
         "batch": _spread(stats.sizes),
+        "queue_wait_s": stats.queue_wait_s,  # batched: its KV ready -> its first step queued
     }
 
 
