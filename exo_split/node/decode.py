@@ -25,11 +25,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import aiohttp
 
-from exo_split.backends.base import Backend, Constraint, DecodeStats
+from exo_split.backends.base import Backend, Constraint, DecodeStats, Prefilled
 from exo_split.chat import ChatTemplate
 from exo_split.errors import (
     AuthError,
@@ -38,6 +37,7 @@ from exo_split.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from exo_split.node.choices import Choice, Emit, EmitMany, Other, Shared, all_of
 from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
@@ -56,8 +56,6 @@ from exo_split.transport.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
-Emit = Callable[[dict], Awaitable[None]]
-EmitMany = Callable[[list[dict]], Awaitable[None]]  # several events, in order, in one write
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
 LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill, at most
 MIN_SLICE = 32  # ... and at least
@@ -216,15 +214,15 @@ class Coordinator(RemotePull):
                 await wait_through_cancel(asyncio.ensure_future(self._run(_nothing)))
             raise
 
-    def _choice(self, req, emit, emit_many, until, constraint) -> _Choice:
+    def _choice(self, req, emit, emit_many, until, constraint) -> Choice:
         lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
-        return _Choice(req, emit, emit_many, until, constraint, lps, TextStream(self.codec))
+        return Choice(req, emit, emit_many, until, constraint, lps, TextStream(self.codec))
 
     async def _generate(
         self,
         req: GenerateRequest,
         ids: list[int],
-        choices: list[_Choice],
+        choices: list[Choice],
         arrived: float,
         stop: threading.Event,
         checkout: Checkout | None,
@@ -284,26 +282,32 @@ class Coordinator(RemotePull):
             # runs other requests' decode slices between them (node/tokens.py).
             end = m
             while end < len(pre):
-                end = min(len(pre), end + self._slice())
-                kept = {"cache": held} if held is not None else {}
-                done = await self._run(self.backend.prefill, pre[:end], chunk=req.chunk,
-                                       capacity=capacity, should_stop=stop.is_set, **kept)  # fmt: skip
+                end, done = await self._run(self._prefill_slice, pre, end, held, req.chunk,
+                                            capacity, stop)  # fmt: skip
                 held = done.cache
             cache, logits, done = done.cache, done.logits, None
             if not main.tokens and not own:
                 await emit_token(sample(logits, req.sampling, 0)[0])
         local_end = clock()
         held = None
-        shared = _Shared(ids, own, remote, fallback, decision, arrived, (local_start, local_end), m)
+        shared = Shared(ids, own, remote, fallback, decision, arrived, (local_start, local_end), m)
         caches = [cache] + [await self._run(self.backend.fork, cache, len(pre), capacity)
                             for _ in choices[1:]]  # fmt: skip
         del cache
         runs = [self._decode_choice(c, [caches.pop(0)], shared, stop, reuse if c is main else None)
                 for c in choices]  # fmt: skip
-        dones = await _all(runs)
+        dones = await all_of(runs)
         if len(dones) > 1:
             dones[0]["others"] = dones[1:]
         return dones[0]
+
+    def _prefill_slice(self, pre, start, held, chunk, capacity, stop) -> tuple[int, Prefilled]:
+        """On the compute thread: the next slice of a local prefill, sized as it starts (the
+        batch may have begun decoding while it queued)."""
+        end = min(len(pre), start + self._slice())
+        kept = {"cache": held} if held is not None else {}
+        return end, self.backend.prefill(pre[:end], chunk=chunk, capacity=capacity,
+                                         should_stop=stop.is_set, **kept)  # fmt: skip
 
     def _slice(self) -> int:
         """Positions for the next job of a local prefill: while other requests decode, about
@@ -314,7 +318,7 @@ class Coordinator(RemotePull):
             return LOCAL_SLICE
         return max(min(LOCAL_SLICE, MIN_SLICE), min(LOCAL_SLICE, int(speed * SLICE_S)))
 
-    async def _decode_choice(self, c: _Choice, box: list, shared: _Shared, stop, reuse) -> dict:
+    async def _decode_choice(self, c: Choice, box: list, shared: Shared, stop, reuse) -> dict:
         """One choice's decode after the prefill, and its `done` event (the cache in `box`
         is its own, taken out of it)."""
         ids, req, stats = shared.ids, c.req, DecodeStats()
@@ -357,7 +361,7 @@ class Coordinator(RemotePull):
             "report": report,
         }
 
-    async def _emit_tokens(self, c: _Choice, batch: Batch) -> bool:
+    async def _emit_tokens(self, c: Choice, batch: Batch) -> bool:
         """Record and emit these tokens; False once `until` has ended the generation (the
         tokens after that one are dropped)."""
         if c.until is None and c.emit_many is not None:
@@ -383,7 +387,7 @@ class Coordinator(RemotePull):
         await self._run(self.backend.trim, cache, n)
         reuse.put(tokens[:n], cache, scope)
 
-    async def _decode(self, box, first, req, stop, stats, c: _Choice, need,
+    async def _decode(self, box, first, req, stop, stats, c: Choice, need,
                       keep) -> tuple[bool, object]:  # fmt: skip
         """Decode choice `c` from `first` (token, step) on the cache `box` holds (taken out
         of it): in the node's batch where the backend has one, else as compute jobs of its
@@ -436,53 +440,6 @@ class Coordinator(RemotePull):
         if lps is not None and i < len(lps):  # (the loop appended it before yielding)
             event["logprob"], event["top_logprobs"] = lps[i]
         return event
-
-
-Other = tuple  # another choice of a request: (emit, until, constraint)
-
-
-@dataclass(eq=False)
-class _Choice:
-    """One choice of a request: where its tokens go, and what its decode produced."""
-
-    req: GenerateRequest  # its own (the seed of choice i is the request's plus i)
-    emit: Emit
-    emit_many: EmitMany | None
-    until: Callable[[], bool] | None
-    constraint: Constraint | None
-    lps: list | None
-    stream: TextStream
-    adjust: Adjust | None = None
-    tokens: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    ended: bool = False  # `until` ended it
-
-
-@dataclass
-class _Shared:
-    """What every choice's report takes from the request's one prefill."""
-
-    ids: list[int]
-    own: bool  # the decode computes the prompt's last position
-    remote: Remote | None
-    fallback: str | None
-    decision: dict | None
-    arrived: float
-    local: tuple[float, float]
-    cached: int  # prompt positions this node's prefix cache held
-
-
-async def _all(runs: list) -> list:
-    """Await every coroutine; one failing cancels the rest (and waits for them)."""
-    if len(runs) == 1:
-        return [await runs[0]]
-    tasks = [asyncio.ensure_future(r) for r in runs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 # Text work of every request (templates, tokenizers), one at a time, off the event loop.
