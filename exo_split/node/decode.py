@@ -93,6 +93,7 @@ class Coordinator(RemotePull):
         # This node's prefill speed (tok/s, learned from what it serves; None: not known):
         # a local prefill's slices are sized to about SLICE_S seconds each.
         self.local_speed: Callable[[], float | None] = lambda: None
+        self._turn: tuple | None = None  # (event loop, the lock local prefills take turns by)
         batcher = backend.batcher() if hasattr(backend, "batcher") else None
         self.batch = BatchDriver(executor, batcher) if batcher is not None else None
 
@@ -281,10 +282,11 @@ class Coordinator(RemotePull):
             # In slices (`_slice`), each a job of its own: the compute thread
             # runs other requests' decode slices between them (node/tokens.py).
             end = m
-            while end < len(pre):
-                end, done = await self._run(self._prefill_slice, pre, end, held, req.chunk,
-                                            capacity, stop)  # fmt: skip
-                held = done.cache
+            async with self._prefill_turn():  # one local prefill at a time, FIFO
+                while end < len(pre):
+                    end, done = await self._run(self._prefill_slice, pre, end, held, req.chunk,
+                                                capacity, stop)  # fmt: skip
+                    held = done.cache
             cache, logits, done = done.cache, done.logits, None
             if not main.tokens and not own:
                 await emit_token(sample(logits, req.sampling, 0)[0])
@@ -300,6 +302,14 @@ class Coordinator(RemotePull):
         if len(dones) > 1:
             dones[0]["others"] = dones[1:]
         return dones[0]
+
+    def _prefill_turn(self) -> asyncio.Lock:
+        """Local prefills take turns (FIFO): between two decode steps runs one slice of one
+        prefill, not one of each waiting (with 8 arriving at once, decodes stalled 7 slices)."""
+        loop = asyncio.get_running_loop()
+        if self._turn is None or self._turn[0] is not loop:
+            self._turn = (loop, asyncio.Lock())
+        return self._turn[1]
 
     def _prefill_slice(self, pre, start, held, chunk, capacity, stop) -> tuple[int, Prefilled]:
         """On the compute thread: the next slice of a local prefill, sized as it starts (the
