@@ -283,6 +283,7 @@ class Coordinator(RemotePull):
             # runs other requests' decode slices between them (node/tokens.py).
             end = m
             async with self._prefill_turn():  # one local prefill at a time, FIFO
+                local_start = clock()  # (its turn: the wait for it is not prefill time)
                 while end < len(pre):
                     end, done = await self._run(self._prefill_slice, pre, end, held, req.chunk,
                                                 capacity, stop)  # fmt: skip
