@@ -49,6 +49,27 @@ def llama(checkpoint):
     return checkpoint("llama")
 
 
+@pytest.fixture(scope="module")
+def compute():
+    """A node's compute thread: one worker, as the node agent runs its backend."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+    yield executor
+    executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mlx_llama(llama, compute):
+    """The tiny Llama on an MLX backend, loaded on `compute` (MLX streams belong to a
+    thread), closed there on the way out as the node does."""
+    from exo_split.backends import load_backend
+
+    loaded = compute.submit(load_backend, "mlx", llama, device="cpu").result()
+    yield loaded
+    compute.submit(loaded.close).result()
+
+
 @pytest.fixture(autouse=True)
 def _restore_logging():
     """cli.main.main() configures the "exo_split" logger, as a CLI does; undo it for other tests."""

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from exo_split.backends import load_backend
 from exo_split.node.decode import Coordinator
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts
@@ -25,17 +23,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def compute():
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    yield executor
-    executor.shutdown()
-
-
-@pytest.fixture(scope="module")
-def backend(llama, compute):
-    loaded = compute.submit(load_backend, "mlx", llama, device="cpu").result()
-    yield loaded
-    compute.submit(loaded.close).result()
+def backend(mlx_llama):
+    return mlx_llama
 
 
 @pytest.fixture()

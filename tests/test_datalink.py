@@ -272,6 +272,22 @@ class _Watch(asyncio.Protocol):
         return False
 
 
+async def _slow_pair(reader) -> tuple[DataConnection, threading.Thread]:
+    """A socketpair with 16 KiB socket buffers: our end a DataConnection (told when the far
+    end closes), the far end read by `reader(sock)` on a thread of its own (started)."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    for sock in (ours, theirs):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
+    thread = threading.Thread(target=reader, args=(theirs,))
+    thread.start()
+    watch = _Watch()
+    transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
+    watch.conn = DataConnection(transport)
+    return watch.conn, thread
+
+
 @pytest.mark.parametrize("convert", [True, False], ids=["converted copies", "views"])
 def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert, monkeypatch):
     """16 pieces of 64 KiB, an in-flight limit of 128 KiB, socket buffers of 16 KiB, and a
@@ -307,16 +323,7 @@ def test_bytes_in_flight_are_bounded_while_the_receiver_is_slow(convert, monkeyp
             got.extend(chunk)
 
     async def run():
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        for s in (ours, theirs):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-        thread = threading.Thread(target=reader, args=(theirs,))
-        thread.start()
-        watch = _Watch()
-        transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
-        conn = watch.conn = DataConnection(transport)
+        conn, thread = await _slow_pair(reader)
         progress = Progress()
         req = PrefillRequest(request_id="t", token_ids=tuple(range(n)), chunk=64,
                              dtype="float16")  # fmt: skip
@@ -572,16 +579,7 @@ def _ring_stream(llama, n, reader, *, deadline=600.0, slot_timeout=30.0, during=
     backend.slot_timeout = slot_timeout
 
     async def run():
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        for s in (ours, theirs):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 10)
-        thread = threading.Thread(target=reader, args=(theirs,))
-        thread.start()
-        watch = _Watch()
-        transport, _ = await loop.connect_accepted_socket(lambda: watch, ours)
-        conn = watch.conn = DataConnection(transport)
+        conn, thread = await _slow_pair(reader)
         req = PrefillRequest(request_id="t", token_ids=tuple(3 + i % 500 for i in range(n)))
         try:
             with ThreadPoolExecutor(1) as executor:

@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from exo_split.backends import load_backend
 from exo_split.node.decode import Coordinator
 from exo_split.node.tokens import decode_events
 from exo_split.sampling import GREEDY, Sampling
@@ -22,18 +20,8 @@ from exo_split.transport.messages import GenerateRequest
 
 
 @pytest.fixture(scope="module")
-def compute():
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-    yield executor
-    executor.shutdown()
-
-
-@pytest.fixture(scope="module")
-def backend(llama, compute):
-    # Loaded on the thread that runs it, as the node does (MLX streams belong to a thread).
-    loaded = compute.submit(load_backend, "mlx", llama, device="cpu").result()
-    yield loaded
-    compute.submit(loaded.close).result()  # before the thread exits, as the node does
+def backend(mlx_llama):
+    return mlx_llama
 
 
 def _cache(backend, compute, n_prompt=20, capacity=200):
