@@ -138,13 +138,19 @@ class Untouchable:
         raise AssertionError(f"work was done for an unauthenticated request: .{name}")
 
 
+class UntouchableBackend(Untouchable):
+    def memory(self) -> None:  # an authorized /v1/info reads the allocator's account
+        return None
+
+
 def untouchable_state() -> NodeState:
     from exo_split.spec import ModelSpec
 
     spec = ModelSpec("llama", 2, 4, 2, 8, 32, 64, 512, 1e-5, 10000.0)
     nothing = Untouchable()
-    return NodeState(node_id="n", spec=spec, backend=nothing, executor=nothing, token=TOKEN,
-                     limits=Limits(), coordinator=nothing, info={"node_id": "n"})  # fmt: skip
+    return NodeState(node_id="n", spec=spec, backend=UntouchableBackend(), executor=nothing,
+                     token=TOKEN, limits=Limits(), coordinator=nothing,
+                     info={"node_id": "n"})  # fmt: skip
 
 
 async def serve(app: web.Application):

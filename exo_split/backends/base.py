@@ -166,6 +166,12 @@ class Backend(Protocol):
         """The cache's KV, one LayerKV per layer."""
         ...
 
+    def memory(self) -> dict | None:
+        """The accelerator memory the backend's allocator accounts for, in bytes: `active`
+        (held by live arrays), `cache` (freed, kept for reuse), `peak`; None where there is
+        no such account (torch on the CPU). GET /v1/info's stats.memory."""
+        ...
+
     def cache_len(self, cache: Any) -> int:
         """The positions every layer holds."""
         ...

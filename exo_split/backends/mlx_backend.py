@@ -361,6 +361,10 @@ class MLXBackend:
             return None
         return Batcher(self.model, lambda i: _StreamingKVCache(i, None))
 
+    def memory(self) -> dict:
+        return {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
+                "peak": mx.get_peak_memory()}  # fmt: skip
+
     def close(self) -> None:
         """On the compute thread, before it exits: MLX's streams go cleanly."""
         mlx_decode.release_thread()

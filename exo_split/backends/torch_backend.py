@@ -272,6 +272,14 @@ class TorchBackend:
         ids = torch.tensor([[token_id]], dtype=torch.long, device=self.torch_device)
         return self._run(ids, cache).float().cpu().numpy()
 
+    def memory(self) -> dict | None:
+        if self.torch_device.type != "cuda":
+            return None
+        cuda = torch.cuda
+        return {"active": cuda.memory_allocated(self.torch_device),
+                "cache": cuda.memory_reserved(self.torch_device) - cuda.memory_allocated(self.torch_device),
+                "peak": cuda.max_memory_allocated(self.torch_device)}  # fmt: skip
+
     def close(self) -> None:
         """Nothing is held per thread."""
 
