@@ -34,10 +34,26 @@ from exo_split import PROTOCOL_VERSION
 from exo_split.transport import wire
 from exo_split.transport.auth import Nonces, client_proof, parse_proof, server_proof
 from exo_split.transport.datalink import DataConnection, Listener, Tickets
+from exo_split.transport.server import over_tls
+from exo_split.transport.tls import load_identity
 
 TICKETS = web.AppKey("tickets", Tickets)
 
 # ---- the fake peer -------------------------------------------------------------------------
+
+
+def fake_identity():
+    """A TLS certificate of the fakes' own (made once per test session, in its temp dir)."""
+    import tempfile
+    from pathlib import Path
+
+    global _IDENTITY
+    if _IDENTITY is None:
+        _IDENTITY = load_identity(Path(tempfile.mkdtemp(prefix="exo-split-fake-tls-")))[0]
+    return _IDENTITY
+
+
+_IDENTITY = None
 
 
 @dataclass
@@ -53,6 +69,7 @@ class Served:
 class FakePrefillPeer:
     def __init__(self, token: str = TOKEN):
         self.token = token
+        self.identity = fake_identity()
         self.nonces = Nonces()
         self.plans: deque[Callable] = deque()  # one per request, in order; else `default`
         self.default: Callable | None = None
@@ -71,7 +88,8 @@ class FakePrefillPeer:
         app.router.add_get("/v1/hello", self._hello)
         app.router.add_post("/v1/prefill", self._prefill)
         app[TICKETS] = Tickets()
-        self._listener = Listener(app, app[TICKETS], shutdown_timeout=0.5)
+        self._listener = Listener(app, app[TICKETS], shutdown_timeout=0.5,
+                                  identity=self.identity)  # fmt: skip
         return await self._listener.start("127.0.0.1", 0)
 
     @property
@@ -91,7 +109,9 @@ class FakePrefillPeer:
     async def _hello(self, request: web.Request) -> web.Response:
         """The peer proof a node gives (transport/auth.py): this fake holds the token."""
         nc, ns = request.query.get("nonce", ""), self.nonces.issue()
-        return web.json_response({"nonce": ns, "proof": server_proof(self.token, nc, ns)})
+        cert = self.identity.fingerprint if over_tls(request) else ""
+        proof = server_proof(self.token, nc, ns, cert)
+        return web.json_response({"nonce": ns, "cert": cert, "proof": proof})
 
     async def _authorized(self, request: web.Request) -> bool:
         proof = parse_proof(request.headers.get("Authorization"))
@@ -116,7 +136,7 @@ async def _admit(request: web.Request, ticket_hex: str | None = None):
     """Answer 200 with a ticket (or `ticket_hex`, which nobody issued), as a node does; then
     the data connection that redeems it, or None."""
     tickets = request.app[TICKETS]
-    ticket = tickets.issue()
+    ticket = tickets.issue(tls=over_tls(request))
     answer = {"protocol": PROTOCOL_VERSION, "ticket": ticket_hex or ticket.hex, "expires_s": 10}
     resp = web.json_response(answer)
     resp.force_close()
@@ -150,7 +170,7 @@ def replay(
         for i in range(0, len(out), piece):
             if conn.lost.is_set():
                 break
-            conn.transport.write(out[i : i + piece])
+            conn.write(out[i : i + piece])
             served.sent += len(out[i : i + piece])
             await asyncio.sleep(0)
         if then == "stall":
@@ -181,7 +201,7 @@ def proxy(real_url: str, record: list[bytes]) -> Callable:
         got = bytearray()
         while chunk := await reader.read(65536):
             got += chunk
-            conn.transport.write(chunk)
+            conn.write(chunk)
         writer.close()
         record.append(bytes(got))
         conn.close()

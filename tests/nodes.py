@@ -128,21 +128,30 @@ def generate_sync(url: str, body: dict, **kw) -> dict:
     return events[-1]
 
 
-async def open_kv_stream(url: str, body: dict, authorization: str = f"Bearer {TOKEN}"):
+async def open_kv_stream(url: str, body: dict, authorization: str = f"Bearer {TOKEN}", *,
+                         tls: bool = True):  # fmt: skip
     """POST /v1/prefill, then the KV data connection its ticket admits, on the same port:
-    (200, reader, writer) of the data connection, or (status, answer body, None)."""
+    (200, reader, writer) of the data connection, or (status, answer body, None). `tls`: both
+    over TLS (the certificate not checked: the tests' own nodes), as nodes talk by default."""
     from exo_split import PROTOCOL_VERSION
     from exo_split.transport.datalink import TICKET, TICKET_MAGIC
+    from exo_split.transport.tls import DATA_TLS_MAGIC, client_context
 
+    hostport = url.removeprefix("http://").removeprefix("https://")
+    base = f"{'https' if tls else 'http'}://{hostport}"
     async with (
         aiohttp.ClientSession() as s,
-        s.post(f"{url}/v1/prefill", json=body, headers={"Authorization": authorization}) as resp,
-    ):
+        s.post(f"{base}/v1/prefill", json=body, headers={"Authorization": authorization},
+               ssl=client_context() if tls else True) as resp,
+    ):  # fmt: skip
         answer = await resp.json(content_type=None)
         if resp.status != 200:
             return resp.status, answer, None
-    host, _, port = url.removeprefix("http://").rpartition(":")
+    host, _, port = hostport.rpartition(":")
     reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    if tls:
+        writer.write(DATA_TLS_MAGIC)
+        await writer.start_tls(client_context())
     writer.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, bytes.fromhex(answer["ticket"])))
     return 200, reader, writer
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import numpy as np
 import pytest
+from fakes import fake_identity
 from nodes import TOKEN
 
 from exo_split import PROTOCOL_VERSION
@@ -35,6 +36,7 @@ from exo_split.transport.datalink import TICKET, TICKET_MAGIC, DataConnection, L
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import PrefillRequest
 from exo_split.transport.server import ClientGone
+from exo_split.transport.tls import secure_url
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUTS = Timeouts(connect=2.0, first_frame=10.0, idle=5.0, total=60.0)
@@ -109,13 +111,21 @@ async def prefill_node(backend, limits: Limits | None = None, timeouts: Timeouts
         limits=limits or Limits(), coordinator=None,
         info={"fingerprint": backend.spec.fingerprint}, timeouts=timeouts,
     )  # fmt: skip
-    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0)
+    # TLS and cleartext, as a node started with --insecure-transport serves them: the KV
+    # streams below go over TLS (as nodes talk by default), the raw probes in cleartext
+    state.identity, state.insecure_transport = fake_identity(), True
+    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0,
+                        identity=state.identity)  # fmt: skip
     port = await listener.start("127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}", state
     finally:
         await listener.stop()
         executor.shutdown()
+
+
+def tls(url: str) -> str:
+    return secure_url(url, True)
 
 
 def body(spec: ModelSpec, n: int, **extra) -> dict:
@@ -130,7 +140,9 @@ async def pull(url: str, spec: ModelSpec, n: int, dest, max_frame_bytes: int, **
     frames = []
     async with aiohttp.ClientSession() as session:
         req = body(spec, n, max_frame_bytes=max_frame_bytes, **extra)
-        async for frame in kv_stream(session, url, TOKEN, req, stream_spec, TIMEOUTS, dest=dest):
+        async for frame in kv_stream(
+            session, tls(url), TOKEN, req, stream_spec, TIMEOUTS, dest=dest
+        ):
             frames.append(frame)
     return frames
 
@@ -367,7 +379,7 @@ def test_a_receiver_that_leaves_stops_the_prefill_and_frees_every_piece():
         async with prefill_node(backend) as (url, state):
             spec = wire.StreamSpec(8, 8, 32, wire.WireDtype.float16, n)
             async with aiohttp.ClientSession() as session:
-                stream = kv_stream(session, url, TOKEN, body(backend.spec, n, chunk=64), spec,
+                stream = kv_stream(session, tls(url), TOKEN, body(backend.spec, n, chunk=64), spec,
                                    TIMEOUTS)  # fmt: skip
                 async with contextlib.aclosing(stream):
                     async for frame in stream:
@@ -456,7 +468,7 @@ def test_a_staging_ring_smaller_than_one_frame_still_streams(llama):
                                      wire.WireDtype.float32, n, 16 << 20)  # fmt: skip
             req = body(spec, n, max_frame_bytes=16 << 20)
             async with aiohttp.ClientSession() as session:
-                return [f async for f in kv_stream(session, url, TOKEN, req, stream, TIMEOUTS,
+                return [f async for f in kv_stream(session, tls(url), TOKEN, req, stream, TIMEOUTS,
                                                    dest=dest)]  # fmt: skip
 
     dest = Dest()

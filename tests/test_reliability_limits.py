@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
-from fakes import FakePrefillPeer, replay
+from fakes import FakePrefillPeer, fake_identity, replay
 from nodes import TOKEN
 from reference import prompt_ids, reference_generate
 
@@ -24,6 +24,7 @@ from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts
 from exo_split.transport.datalink import Listener
 from exo_split.transport.limits import Limits, decode_kv_bytes
+from exo_split.transport.tls import secure_url
 
 pytestmark = pytest.mark.timeout(300)
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -74,7 +75,11 @@ async def serving(backends, ckpt, name: str, limits: Limits | None = None, peer:
     state = NodeState(node_id=name, spec=backend.spec, backend=backend, executor=executor,
                       token=TOKEN, limits=limits, coordinator=coordinator,
                       info={"fingerprint": backend.spec.fingerprint}, timeouts=TIMEOUTS)  # fmt: skip
-    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0)
+    # To peers over TLS, as nodes do; /v1/prefill served in cleartext too (the tests' posts)
+    state.identity, state.insecure_transport = fake_identity(), True
+    coordinator.link = lambda url: secure_url(url, True)
+    listener = Listener(make_app(state), state.tickets, shutdown_timeout=1.0,
+                        identity=state.identity)  # fmt: skip
     port = await listener.start("127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{port}", state

@@ -39,6 +39,13 @@ def add_node(subparsers) -> None:
         "request needs the token)",
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free port)")
+    p.add_argument(
+        "--insecure-transport",
+        action="store_true",
+        help="node-to-node traffic (prompts, KV) in cleartext: ask peers over plain TCP and "
+        "serve /v1/prefill without TLS; only on a cable or network you trust (default: TLS, "
+        "each node's certificate pinned through the token)",
+    )
     add_discovery_options(p, timeout=False)
     p.add_argument(
         "--no-warmup",
@@ -135,14 +142,21 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 def cmd_node(args) -> int:
     from exo_split.node.agent import Node, NodeConfig
     from exo_split.node.capabilities import default_cache_dir
-    from exo_split.transport.auth import copy_instructions, resolve_token
+    from exo_split.transport.auth import copy_instructions, default_token_file, resolve_token
     from exo_split.transport.client import Timeouts
     from exo_split.transport.keys import default_keys_file
     from exo_split.transport.limits import Limits
+    from exo_split.transport.tls import load_identity
 
     token, source = resolve_token(args.token_file, dict(os.environ), create=True)
     if source.endswith("(new)"):
         say(copy_instructions(Path(source.removesuffix(" (new)"))))
+    identity, made = load_identity((args.token_file or default_token_file()).parent)
+    say(
+        f"TLS certificate {identity.cert_path} ({'new, ' if made else ''}sha256 "
+        f"{identity.fingerprint[:16]}...); node-to-node traffic "
+        + ("in cleartext (--insecure-transport)" if args.insecure_transport else "encrypted")
+    )
     # Test hook (docs/reliability.md): SIGKILL the node once it has sent layer k.
     die_after = os.environ.get("EXO_SPLIT_TEST_DIE_AFTER_LAYER")
     config = NodeConfig(
@@ -180,6 +194,8 @@ def cmd_node(args) -> int:
         prefix_cache_bytes=args.prefix_cache_bytes,
         header_timeout=args.header_timeout,
         keys_file=args.keys_file or default_keys_file(),
+        identity=identity,
+        insecure_transport=args.insecure_transport,
     )
     node = Node(config, progress=say)
     asyncio.run(node.serve())

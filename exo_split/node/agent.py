@@ -35,7 +35,7 @@ from exo_split.discovery.peers import peer_url
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
 from exo_split.node import policy
-from exo_split.node.capabilities import Speeds, node_speeds, probe_link, save_cached
+from exo_split.node.capabilities import probe_link, save_cached, startup_speeds
 from exo_split.node.decode import Coordinator
 from exo_split.node.grammar import Grammars
 from exo_split.node.learn import Learned
@@ -47,6 +47,7 @@ from exo_split.transport.datalink import Listener
 from exo_split.transport.keys import KeyRing
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import GenerateRequest
+from exo_split.transport.tls import Identity, secure_url
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class NodeConfig:
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # finished requests' KV; 0: none
     header_timeout: float = 10.0  # a connection's time to identify itself (datalink.Guard)
     keys_file: Path | None = None  # clients' API keys (transport/keys.py); None: none
+    identity: Identity | None = None  # the node's TLS certificate; None: no TLS served
+    insecure_transport: bool = False  # to peers over plain TCP, /v1/prefill served so too
 
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
@@ -114,7 +117,9 @@ class Node:
         # Named only now: threads it started (MLX's stream workers) keep the process's name.
         self.executor.submit(name_thread, COMPUTE_THREAD).result()
         self.progress(f"{self._weights()}; decode graph warmed in {self.warm_s:.2f} s")
-        self.speeds = self._measure_speeds()
+        self.speeds = startup_speeds(self.executor, self.backend, config.cache_dir,
+                                     warmup=config.warmup, remeasure=config.remeasure,
+                                     progress=progress)  # fmt: skip
         self.links: dict[str, policy.LinkEstimate] = {}  # peer URL -> measured link
         # Prefill speeds learned from real requests (node/learn.py), the probe as the prior.
         self.learned = Learned(self.speeds.prefill_tps if self.speeds else None)
@@ -123,7 +128,7 @@ class Node:
         self.presence = Presence(
             self.node_info(),
             fetch_info=lambda host, port: fetch_info(
-                self.session(), format_url(host, port), config.token, timeout=2
+                self.session(), self.link(format_url(host, port)), config.token, timeout=2
             ),
             static=config.peers,
             mdns=config.mdns,
@@ -149,6 +154,7 @@ class Node:
             grammars=Grammars(config.model_dir, self.spec.vocab_size, self.codec.eos_ids),
         )
         self.coordinator.on_done = self._learn
+        self.coordinator.link = self.link
         self.coordinator.local_speed = self.learned.local.headline
 
     def _configure_staging(self) -> None:
@@ -160,26 +166,6 @@ class Node:
         backend.slot_timeout = self.config.timeouts.idle
         if self.config.staging_bytes is not None:
             self.executor.submit(backend.set_staging, self.config.staging_bytes).result()
-
-    def _measure_speeds(self) -> Speeds | None:
-        """This node's prefill and decode tokens/s: cached, else a short warm-up."""
-        cfg = self.config
-        if not cfg.warmup:
-            return None
-        t0 = time.perf_counter()
-        speeds, cached = self.executor.submit(
-            node_speeds, self.backend, cfg.cache_dir, remeasure=cfg.remeasure
-        ).result()
-        where = (
-            f"cached in {cfg.cache_dir}"
-            if cached
-            else f"measured in {time.perf_counter() - t0:.1f} s"
-        )
-        self.progress(
-            f"speeds ({where}): prefill {speeds.prefill_tps:.0f} tok/s, "
-            f"decode {speeds.decode_tps:.1f} tok/s"
-        )
-        return speeds
 
     def _weights(self) -> str:
         b, q = self.backend, self.quantization
@@ -208,6 +194,10 @@ class Node:
     def model_id(self) -> str:
         """The model's name in the OpenAI API."""
         return self.config.model_name or self.config.model_dir.name or self.spec.name or "model"
+
+    def link(self, url: str) -> str:
+        """A peer's URL as this node reaches it: https unless --insecure-transport."""
+        return secure_url(url, not self.config.insecure_transport)
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -341,8 +331,9 @@ class Node:
             return self._figures_without_link(url, peer, req, n)
         if link is None:
             link = await probe_link(
-                self.session(), url, self.config.token, timeout=self.config.timeouts.connect
-            )
+                self.session(), self.link(url), self.config.token,
+                timeout=self.config.timeouts.connect,
+            )  # fmt: skip
             self.links[url] = link
             self._refresh_info()
         return dataclasses.replace(
@@ -415,6 +406,8 @@ class Node:
             die_after_layer=self.config.die_after_layer,
             prefix=self.prefix,
             keys=KeyRing(self.config.keys_file),
+            identity=self.config.identity,
+            insecure_transport=self.config.insecure_transport,
             on_prefilled=self._prefilled,
             batch=getattr(self.coordinator.batch, "batcher", None),
         )
@@ -430,7 +423,7 @@ class Node:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         state = self.state()
-        listener = Listener(make_app(state), state.tickets,
+        listener = Listener(make_app(state), state.tickets, identity=self.config.identity,
                             sniff_timeout=self.config.header_timeout)  # fmt: skip
         try:
             try:

@@ -185,6 +185,20 @@ def measure_speeds(
     )
 
 
+def startup_speeds(executor, backend, cache_dir: Path | None, *, warmup: bool,
+                   remeasure: bool, progress: Callable[[str], None]) -> Speeds | None:  # fmt: skip
+    """A starting node's prefill and decode tokens/s (on its compute thread `executor`):
+    cached, else a short warm-up; None without `warmup`."""
+    if not warmup:
+        return None
+    t0 = time.perf_counter()
+    speeds, cached = executor.submit(node_speeds, backend, cache_dir, remeasure=remeasure).result()
+    where = f"cached in {cache_dir}" if cached else f"measured in {time.perf_counter() - t0:.1f} s"
+    progress(f"speeds ({where}): prefill {speeds.prefill_tps:.0f} tok/s, "
+             f"decode {speeds.decode_tps:.1f} tok/s")  # fmt: skip
+    return speeds
+
+
 def node_speeds(
     backend: Any,
     cache_dir: Path | None,
@@ -224,12 +238,10 @@ async def probe_link(
 
     async def get(n: int) -> tuple[float, float | None, int, float]:
         target = f"/v1/probe?bytes={n}"
-        headers = await peer_headers(session, base_url, token, "GET", target, timeout=timeout)
+        auth = await peer_headers(session, base_url, token, "GET", target, timeout=timeout)
         t0 = clock()
         async with session.get(
-            f"{base_url}{target}",
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout),
+            f"{base_url}{target}", **auth, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             t_head = clock()
             if resp.status != 200:

@@ -86,6 +86,7 @@ class Coordinator(RemotePull):
         self.codec = codec
         self.executor = executor
         self.token = token
+        self.link: Callable[[str], str] = lambda url: url  # a peer's URL as we reach it (TLS)
         self.timeouts = timeouts
         self.session = session
         self.choose_peer = choose_peer

@@ -77,7 +77,7 @@ class RemotePull:
         pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()
-            frames = kv_stream(self.session(), peer, self.token, body, spec, self.timeouts,
+            frames = kv_stream(self.session(), self.link(peer), self.token, body, spec, self.timeouts,
                                dest=sink.dest, max_pending=self.max_frame_bytes)  # fmt: skip
             async with contextlib.aclosing(frames):
                 async for frame in frames:

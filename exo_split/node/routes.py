@@ -50,6 +50,7 @@ from exo_split.transport.server import (
     hang_up,
     json_body,
     native_error_body,
+    over_tls,
     while_connected,
 )
 
@@ -97,6 +98,11 @@ async def prefill(request: web.Request) -> web.StreamResponse:
     admits and stream the KV there (docs/protocol.md)."""
     state = request.app[STATE]
     received = clock()
+    if not (over_tls(request) or state.insecure_transport):
+        return error(403, "tls_required", "node-to-node traffic must be encrypted: this "
+                     "prefill node serves /v1/prefill over TLS only (its peers use TLS unless "
+                     "started with --insecure-transport; start both nodes with it for "
+                     "cleartext on a trusted cable)")  # fmt: skip
     body = await json_body(request)
     try:
         req = PrefillRequest.from_json(body, max_tokens=state.limits.max_prompt_tokens)
@@ -169,7 +175,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
 async def _admit(request: web.Request, state: NodeState) -> tuple[web.Response, Any]:
     """Answer 200 with a one-time ticket, then wait (--connect-timeout) for the data
     connection that redeems it: (the answer, the DataConnection or None if none came)."""
-    ticket = state.tickets.issue(request.remote)
+    ticket = state.tickets.issue(request.remote, tls=over_tls(request))
     resp = web.json_response(
         {"protocol": PROTOCOL_VERSION, "ticket": ticket.hex, "expires_s": state.timeouts.connect}
     )

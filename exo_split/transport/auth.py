@@ -108,8 +108,11 @@ def bearer(header: str | None) -> str | None:
 #
 #   client                                   server
 #   GET /v1/hello?nonce=NC           ->
-#                                    <-      {"nonce": NS, "proof": MAC(server | NC | NS)}
-#   checks the proof: the server holds the token (else it sends it nothing at all)
+#                                    <-      {"nonce": NS, "cert": FP,
+#                                             "proof": MAC(server | NC | NS | FP)}
+#   checks the proof: the server holds the token (else it sends it nothing at all); over
+#   TLS, FP is the SHA-256 of the certificate the server serves, and the client pins every
+#   later request to it (transport/tls.py); in cleartext FP is empty
 #   METHOD TARGET, Authorization: ExoProof nc=NC, ns=NS, mac=MAC(client | NC | NS | METHOD |
 #   TARGET | sha256(body))           ->      checks the MAC; NS is single-use, short-lived
 #
@@ -140,8 +143,9 @@ def is_nonce(value: object) -> bool:
     )
 
 
-def server_proof(token: str, client_nonce: str, server_nonce: str) -> str:
-    return _mac(token, _SERVER, client_nonce, server_nonce)
+def server_proof(token: str, client_nonce: str, server_nonce: str, cert: str = "") -> str:
+    """`cert`: the fingerprint of the TLS certificate the answer came over ("" in cleartext)."""
+    return _mac(token, _SERVER, client_nonce, server_nonce, cert)
 
 
 def client_proof(token: str, client_nonce: str, server_nonce: str, method: str, target: str,

@@ -32,6 +32,7 @@ from exo_split.transport import wire
 from exo_split.transport.auth import is_nonce, new_nonce, proof_header, server_proof
 from exo_split.transport.datalink import TICKET, TICKET_MAGIC
 from exo_split.transport.decoder import Destination, Frame, FrameDecoder, ThreadCrc
+from exo_split.transport.tls import DATA_TLS_MAGIC, client_context, fingerprint_of, is_fingerprint
 
 
 @dataclass(frozen=True)
@@ -62,41 +63,51 @@ class Timeouts:
 async def peer_headers(
     session: aiohttp.ClientSession, base_url: str, token: str | None, method: str,
     target: str, body: bytes = b"", *, timeout: float = 5.0,
-) -> dict[str, str]:  # fmt: skip
-    """The Authorization of one request to a peer, once the peer has proven that it holds
-    the token (GET /v1/hello, transport/auth.py); the token itself never travels. A peer
-    that cannot prove it (a stranger advertising itself on the LAN, an older exo-split) is
-    UntrustedPeer, and nothing else was sent to it."""
+) -> dict[str, Any]:  # fmt: skip
+    """The request arguments (`headers`, `ssl`) of one request to a peer, once the peer has
+    proven that it holds the token (GET /v1/hello, transport/auth.py); the token itself
+    never travels. Over https the request is pinned to the certificate the proof covers
+    (transport/tls.py). A peer that cannot prove it (a stranger advertising itself on the
+    LAN, an older exo-split) is UntrustedPeer, and nothing else was sent to it."""
+    secure = base_url.startswith("https://")
     if not token:
-        return {}
+        return {"headers": {}, "ssl": client_context()} if secure else {"headers": {}}
     what = f"{method} {target.partition('?')[0]}"  # what a failure to connect is named after
-    nc, ns = await prove_peer(session, base_url, token, timeout=timeout, what=what)
-    return {"Authorization": proof_header(token, nc, ns, method, target, body)}
+    nc, ns, cert = await prove_peer(session, base_url, token, timeout=timeout, what=what)
+    headers = {"Authorization": proof_header(token, nc, ns, method, target, body)}
+    if not secure:
+        return {"headers": headers}
+    return {"headers": headers, "ssl": aiohttp.Fingerprint(bytes.fromhex(cert))}
 
 
 async def prove_peer(
     session: aiohttp.ClientSession, base_url: str, token: str, *, timeout: float = 5.0,
     what: str = "GET /v1/hello",
-) -> tuple[str, str]:  # fmt: skip
-    """(our nonce, the peer's) once the peer has proven it holds `token`; UntrustedPeer
-    otherwise (see `peer_headers`)."""
+) -> tuple[str, str, str]:  # fmt: skip
+    """(our nonce, the peer's, its certificate's fingerprint: "" in cleartext) once the peer
+    has proven it holds `token`; UntrustedPeer otherwise (see `peer_headers`)."""
     nc = new_nonce()
+    secure = base_url.startswith("https://")
+    extra = {"ssl": client_context()} if secure else {}
     with _client_errors(base_url, what):
         async with session.get(
-            f"{base_url}/v1/hello?nonce={nc}", timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as resp:
+            f"{base_url}/v1/hello?nonce={nc}", timeout=aiohttp.ClientTimeout(total=timeout),
+            **extra,
+        ) as resp:  # fmt: skip
             answer = await resp.json(content_type=None) if resp.status == 200 else None
     ns = answer.get("nonce") if isinstance(answer, dict) else None
     proof = answer.get("proof") if isinstance(answer, dict) else None
+    cert = answer.get("cert", "") if isinstance(answer, dict) else ""
     if not (is_nonce(ns) and isinstance(proof, str)
-            and hmac.compare_digest(proof, server_proof(token, nc, ns))):  # fmt: skip
+            and (is_fingerprint(cert) if secure else cert == "")
+            and hmac.compare_digest(proof, server_proof(token, nc, ns, cert))):  # fmt: skip
         raise UntrustedPeer(
             f"{base_url} did not prove that it holds the shared token (GET /v1/hello): "
             "nothing was sent to it",
             hint="a device that only advertises itself, or a node with another token or an "
             "older exo-split",
         )
-    return nc, ns
+    return nc, ns, cert
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, peer: str) -> None:
@@ -144,6 +155,11 @@ def _client_errors(peer: str, what: str):
                 return False
             if isinstance(exc, asyncio.TimeoutError | TimeoutError):
                 raise PeerUnavailable(f"{peer}: {what} timed out") from exc
+            if isinstance(exc, aiohttp.ServerFingerprintMismatch):
+                raise UntrustedPeer(
+                    f"{peer}: {what}: the TLS certificate is not the one its proof covered",
+                    hint="something between the nodes answers for the peer",
+                ) from exc
             if isinstance(exc, aiohttp.ClientError | OSError | EOFError):
                 raise PeerUnavailable(
                     f"{peer}: {what} failed: {exc or type(exc).__name__}"
@@ -157,12 +173,10 @@ async def fetch_info(
     session: aiohttp.ClientSession, base_url: str, token: str | None, *, timeout: float = 5.0
 ) -> dict[str, Any]:
     """GET /v1/info of a node."""
-    headers = await peer_headers(session, base_url, token, "GET", "/v1/info", timeout=timeout)
+    auth = await peer_headers(session, base_url, token, "GET", "/v1/info", timeout=timeout)
     with _client_errors(base_url, "GET /v1/info"):
         async with session.get(
-            f"{base_url}/v1/info",
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=timeout),
+            f"{base_url}/v1/info", **auth, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             await _raise_for_status(resp, base_url)
             info = await resp.json()
@@ -177,8 +191,10 @@ class _StreamProtocol(asyncio.BufferedProtocol):
     frames, and how the stream ended, go to `events`. Frames that carry their own payload
     (no Destination) pause reading while more than `max_pending` bytes of them wait."""
 
-    def __init__(self, decoder: FrameDecoder, ticket: bytes, max_pending: int):
+    def __init__(self, decoder: FrameDecoder, ticket: bytes, max_pending: int,
+                 tls: bool = False):  # fmt: skip
         self.decoder, self.ticket, self.max_pending = decoder, ticket, max_pending
+        self.tls = tls  # the ticket goes inside TLS (`start`), after DATA_TLS_MAGIC
         self.events: asyncio.Queue = asyncio.Queue()
         self.transport: asyncio.Transport | None = None
         self.last_data = asyncio.get_running_loop().time()
@@ -187,17 +203,34 @@ class _StreamProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self.tls:
+            transport.write(DATA_TLS_MAGIC)
+        else:
+            self.start(transport)
+
+    def start(self, transport) -> None:
+        """The ticket, on the (TLS) transport the stream comes on from here."""
+        self.transport = transport
         transport.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, self.ticket))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._frames(nbytes, None)
+
+    def data_received(self, data: bytes) -> None:
+        """Over TLS (`_Decrypted`): plaintext copied once into the decoder's buffers."""
+        self._frames(len(data), data)
+
+    def _frames(self, nbytes: int, data: bytes | None) -> None:
         assert self.transport is not None
         self.last_data = asyncio.get_running_loop().time()
         self.bytes += nbytes
         try:
-            frames = self.decoder.buffer_updated(nbytes)
+            frames = (
+                self.decoder.buffer_updated(nbytes) if data is None else self.decoder.feed(data)
+            )
         except ProtocolError as exc:
             self._end(_Bad(exc))
             self.transport.abort()
@@ -231,6 +264,29 @@ class _StreamProtocol(asyncio.BufferedProtocol):
         if not self.ended:
             self.ended = True
             self.events.put_nowait(item)
+
+
+class _Decrypted(asyncio.Protocol):
+    """A TLS data connection's plaintext, handed to its _StreamProtocol as copies. asyncio's
+    TLS reads a buffered protocol one buffer at a time and, when the peer's FIN comes with
+    data still decrypted but unread, drops that data (CPython 3.11-3.13 sslproto's flush):
+    the copying path it takes for a plain Protocol reads all there is first."""
+
+    def __init__(self, stream: _StreamProtocol):
+        self.stream = stream
+
+    def data_received(self, data: bytes) -> None:
+        self.stream.data_received(data)
+
+    def eof_received(self) -> bool:
+        return self.stream.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stream.connection_lost(exc)
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -291,15 +347,15 @@ async def kv_stream(
         total=None, connect=timeouts.connect, sock_connect=timeouts.connect
     )
     data = json.dumps(body).encode()
-    headers = await asyncio.wait_for(
+    auth = await asyncio.wait_for(
         peer_headers(session, base_url, token, "POST", "/v1/prefill", data,
                      timeout=timeouts.connect),
         timeout=timeouts.first_frame,
     )  # fmt: skip
-    headers["Content-Type"] = "application/json"
+    auth["headers"]["Content-Type"] = "application/json"
     with _client_errors(base_url, "POST /v1/prefill"):
         resp = await asyncio.wait_for(
-            session.post(f"{base_url}/v1/prefill", data=data, headers=headers, timeout=timeout),
+            session.post(f"{base_url}/v1/prefill", data=data, **auth, timeout=timeout),
             timeout=timeouts.first_frame,
         )
         try:
@@ -311,20 +367,44 @@ async def kv_stream(
         finally:
             resp.release()
     crc = ThreadCrc()
+    pin = auth.get("ssl")
     proto = _StreamProtocol(FrameDecoder(spec, dest=dest, crc=crc), _ticket(answer, base_url),
-                            max_pending)  # fmt: skip
+                            max_pending, tls=pin is not None)  # fmt: skip
     url = urlsplit(base_url)
     try:
         with _client_errors(base_url, "the KV data connection"):
-            await asyncio.wait_for(
+            raw, _ = await asyncio.wait_for(
                 loop.create_connection(lambda: proto, url.hostname, url.port), timeouts.connect
             )
+            if pin is not None:
+                await _start_tls(loop, raw, proto, pin, base_url, timeouts.connect)
         async for frame in _frames(proto, base_url, timeouts, hello_by, deadline):
             yield frame
     finally:
         if proto.transport is not None:
             proto.transport.abort()
         crc.close()
+
+
+async def _start_tls(loop, raw, proto: _StreamProtocol, pin, peer: str, timeout: float) -> None:
+    """The data connection's TLS, pinned like the POST it follows; then its ticket."""
+    try:
+        tls = await asyncio.wait_for(
+            loop.start_tls(
+                raw, _Decrypted(proto), client_context(), ssl_handshake_timeout=timeout
+            ),  # fmt: skip
+            timeout,
+        )
+    except BaseException:
+        raw.abort()
+        raise
+    if tls is None or fingerprint_of(tls.get_extra_info("ssl_object")) != pin.fingerprint.hex():
+        raw.abort()
+        raise UntrustedPeer(
+            f"{peer}: the KV data connection's certificate is not the one its proof covered",
+            hint="something between the nodes answers for the peer",
+        )
+    proto.start(tls)
 
 
 async def _frames(proto: _StreamProtocol, peer: str, timeouts: Timeouts, hello_by: float,
@@ -388,12 +468,12 @@ async def generate_events(
     """POST /v1/generate on the decode node and yield its NDJSON events."""
     timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.idle)
     data = json.dumps(body).encode()
-    headers = await peer_headers(session, base_url, token, "POST", "/v1/generate", data,
-                                 timeout=timeouts.connect)  # fmt: skip
-    headers["Content-Type"] = "application/json"
+    auth = await peer_headers(session, base_url, token, "POST", "/v1/generate", data,
+                              timeout=timeouts.connect)  # fmt: skip
+    auth["headers"]["Content-Type"] = "application/json"
     with _client_errors(base_url, "POST /v1/generate"):
         async with session.post(
-            f"{base_url}/v1/generate", data=data, headers=headers, timeout=timeout
+            f"{base_url}/v1/generate", data=data, **auth, timeout=timeout
         ) as resp:
             await _raise_for_status(resp, base_url)
             pending = b""

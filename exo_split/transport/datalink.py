@@ -22,10 +22,12 @@ import os
 import queue
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
 import weakref
+from asyncio import sslproto
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,13 @@ from typing import Any
 from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION
+from exo_split.transport.tls import (
+    DATA_TLS_MAGIC,
+    TLS_RECORD,
+    Identity,
+    ServerHandshake,
+    TlsSender,
+)
 from exo_split.transport.wire import Buffer, WireDtype, layer_frame
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,7 @@ class Ticket:
     value: bytes = field(repr=False)
     future: asyncio.Future = field(repr=False)
     address: str | None = None  # who asked for it: only a connection from there redeems it
+    tls: bool = False  # asked for over TLS: only a TLS data connection redeems it
 
     @property
     def hex(self) -> str:
@@ -64,21 +74,23 @@ class Tickets:
     def __init__(self) -> None:
         self._open: dict[bytes, Ticket] = {}
 
-    def issue(self, address: str | None = None) -> Ticket:
+    def issue(self, address: str | None = None, tls: bool = False) -> Ticket:
         value = secrets.token_bytes(32)
-        ticket = Ticket(value, asyncio.get_running_loop().create_future(), address)
+        ticket = Ticket(value, asyncio.get_running_loop().create_future(), address, tls)
         self._open[hashlib.sha256(value).digest()] = ticket
         return ticket
 
-    def redeem(self, value: bytes, address: str | None = None) -> Ticket | None:
+    def redeem(self, value: bytes, address: str | None = None, tls: bool = False
+               ) -> Ticket | None:  # fmt: skip
         """The ticket, used up; None for an unknown one, or one presented from another
         address than the one it was issued to (issue 18, L8: a ticket seen on the wire is
-        no use elsewhere, and it stays open for its owner)."""
+        no use elsewhere, and it stays open for its owner), or in cleartext when it was
+        asked for over TLS."""
         key = hashlib.sha256(value).digest()
         ticket = self._open.get(key)
         if ticket is None or not hmac.compare_digest(ticket.value, value):
             return None
-        if ticket.address is not None and ticket.address != address:
+        if (ticket.address is not None and ticket.address != address) or ticket.tls != tls:
             return None
         del self._open[key]
         return ticket
@@ -95,22 +107,33 @@ class DataConnection:
     reading it only to notice the receiver leaving (`lost`); the sender writes through
     `socket()`, a duplicate of the descriptor for a blocking thread."""
 
-    def __init__(self, transport: asyncio.Transport):
+    def __init__(self, transport: asyncio.Transport, tls: ServerHandshake | None = None):
         self.transport = transport
+        self.tls = tls  # a TLS data connection: its SSL object, the send thread's from here
         self.lost = asyncio.Event()
         self.why = ""
         self.on_lost: list[Callable[[], None]] = []
 
-    def socket(self, timeout: float) -> socket.socket:
-        """A blocking socket of our own (a dup) for the send threads. ConnectionError when
-        the connection closed before we got here (its descriptor is then -1)."""
+    def socket(self, timeout: float) -> socket.socket | TlsSender:
+        """A blocking socket of our own (a dup) for the send threads; over TLS, one that
+        encrypts (`TlsSender`). ConnectionError when the connection closed before we got
+        here (its descriptor is then -1)."""
         raw = self.transport.get_extra_info("socket")
         fd = raw.fileno() if raw is not None else -1
         if fd < 0 or self.transport.is_closing():
             raise ConnectionAbortedError("the data connection closed before the stream began")
         sock = socket.socket(fileno=os.dup(fd))
         sock.settimeout(timeout)
+        if self.tls is not None:
+            return TlsSender(sock, self.tls.sslobj, self.tls.outgoing)
         return sock
+
+    def write(self, data: bytes) -> None:
+        """Send `data` from the event loop (tests' fake peers; nodes send with `socket`)."""
+        if self.tls is not None:
+            self.tls.sslobj.write(data)
+            data = self.tls.outgoing.read()
+        self.transport.write(data)
 
     def peer_left(self, why: str) -> None:
         if not self.lost.is_set():
@@ -132,10 +155,12 @@ class Sniffer(asyncio.BufferedProtocol):
     bytes, a data connection reads its ticket and goes to the handler waiting for it."""
 
     def __init__(self, http: Callable[[], asyncio.Protocol], tickets: Tickets,
-                 guard: Guard):  # fmt: skip
+                 guard: Guard, identity: Identity | None = None):  # fmt: skip
         self.http, self.tickets, self.guard = http, tickets, guard
+        self.identity = identity  # None: no TLS on this port
         self.transport: asyncio.Transport | None = None
         self.conn: DataConnection | None = None
+        self.handshake: ServerHandshake | None = None  # a TLS data connection's, until redeemed
         self._buf = bytearray(TICKET.size)
         self._n = 0
 
@@ -146,6 +171,8 @@ class Sniffer(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.conn is not None:  # the receiver sends nothing after its ticket
             return memoryview(self._buf)
+        if self.handshake is not None:
+            return memoryview(self._tls_buf)
         want = len(TICKET_MAGIC) if self._n < len(TICKET_MAGIC) else TICKET.size
         return memoryview(self._buf)[self._n : want]
 
@@ -155,12 +182,22 @@ class Sniffer(asyncio.BufferedProtocol):
             self.conn.peer_left("the receiver sent data on the KV stream")
             self.transport.abort()
             return
+        if self.handshake is not None:
+            self._tls_data(bytes(self._tls_buf[:nbytes]))
+            return
         self._n += nbytes
         head = bytes(self._buf[: min(self._n, len(TICKET_MAGIC))])
-        if not TICKET_MAGIC.startswith(head):
+        if head[:1] == bytes([TLS_RECORD]) and self.identity is not None:
+            self._to_https()
+        elif head == DATA_TLS_MAGIC and self.identity is not None:
+            self.handshake = ServerHandshake(self.identity.context, TICKET.size)
+            self._tls_buf = bytearray(16384)
+        elif not (TICKET_MAGIC.startswith(head) or DATA_TLS_MAGIC.startswith(head)):
             self._to_http()
-        elif self._n == TICKET.size:
-            self._redeem()
+        elif head == TICKET_MAGIC and self._n == TICKET.size:
+            self._redeem(bytes(self._buf), tls=False)
+        elif head not in (TICKET_MAGIC, *(DATA_TLS_MAGIC[:i] for i in range(1, 4))):
+            self._to_http()  # 'EXOT' on a port without TLS, or 'EXOx'
 
     def _to_http(self) -> None:
         assert self.transport is not None
@@ -171,19 +208,50 @@ class Sniffer(asyncio.BufferedProtocol):
         proto.connection_made(transport)
         proto.data_received(bytes(self._buf[: self._n]))
 
-    def _redeem(self) -> None:
-        assert self.transport is not None
-        self.guard.identified(self.transport)
-        _, version, value = TICKET.unpack(self._buf)
-        peer = self.transport.get_extra_info("peername")
-        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
-        ticket = self.tickets.redeem(value, address) if version == PROTOCOL_VERSION else None
-        if ticket is None or ticket.future.done():
-            log.info("refused a data connection: %s", "unknown or used ticket"
-                     if version == PROTOCOL_VERSION else f"protocol version {version}")  # fmt: skip
+    def _to_https(self) -> None:
+        """HTTP over TLS: asyncio's TLS, then aiohttp, given the bytes read so far."""
+        assert self.transport is not None and self.identity is not None
+        proto, transport = self.http(), self.transport
+        self.transport = None
+        tls = sslproto.SSLProtocol(
+            asyncio.get_running_loop(), proto, self.identity.context, None, server_side=True,
+            ssl_handshake_timeout=self.guard.deadline,
+        )  # fmt: skip
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        buf = tls.get_buffer(self._n)
+        buf[: self._n] = self._buf[: self._n]
+        tls.buffer_updated(self._n)
+
+    def _tls_data(self, data: bytes) -> None:
+        """A TLS data connection's handshake, then its ticket (inside TLS)."""
+        assert self.transport is not None and self.handshake is not None
+        try:
+            out = self.handshake.feed(data)
+        except ssl.SSLError as exc:
+            log.info("refused a data connection: TLS handshake failed (%s)", exc.reason)
             self.transport.abort()
             return
-        self.conn = DataConnection(self.transport)
+        if out:
+            self.transport.write(out)
+        if self.handshake.complete:
+            self._redeem(self.handshake.data[: TICKET.size], tls=True)
+
+    def _redeem(self, raw: bytes, *, tls: bool) -> None:
+        assert self.transport is not None
+        self.guard.identified(self.transport)
+        magic, version, value = TICKET.unpack(raw)
+        peer = self.transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        ok = magic == TICKET_MAGIC and version == PROTOCOL_VERSION
+        ticket = self.tickets.redeem(value, address, tls) if ok else None
+        if ticket is None or ticket.future.done():
+            log.info("refused a data connection: %s", "unknown or used ticket" if ok
+                     else f"protocol version {version}")  # fmt: skip
+            self.transport.abort()
+            return
+        self.conn = DataConnection(self.transport, self.handshake if tls else None)
+        self.handshake = None
         ticket.future.set_result(self.conn)
 
     def eof_received(self) -> bool:
@@ -207,7 +275,9 @@ class Guard:
 
     def __init__(self, deadline: float, *, per_address: int = 32, total: int = 128):
         self.deadline, self.per_address, self.total = deadline, per_address, total
-        self._waiting: collections.OrderedDict[Any, tuple[str, asyncio.TimerHandle]] = (
+        # Keyed by the connection's socket: HTTP over TLS identifies itself on the TLS
+        # transport, which shares the socket of the TCP transport that arrived.
+        self._waiting: collections.OrderedDict[Any, tuple[str, asyncio.TimerHandle, Any]] = (
             collections.OrderedDict()
         )
         self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
@@ -215,16 +285,17 @@ class Guard:
     def arrived(self, transport) -> None:
         peer = transport.get_extra_info("peername")
         addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        same = [t for t, (a, _) in self._waiting.items() if a == addr]
+        same = [k for k, (a, _, _) in self._waiting.items() if a == addr]
         if len(same) >= self.per_address:
             self._close(same[0])
         if len(self._waiting) >= self.total:
             self._close(next(iter(self._waiting)))
-        timer = asyncio.get_running_loop().call_later(self.deadline, self._close, transport)
-        self._waiting[transport] = (addr, timer)
+        key = _key(transport)
+        timer = asyncio.get_running_loop().call_later(self.deadline, self._close, key)
+        self._waiting[key] = (addr, timer, transport)
 
     def identified(self, transport) -> None:
-        entry = self._waiting.pop(transport, None)
+        entry = self._waiting.pop(_key(transport), None)
         if entry is not None:
             entry[1].cancel()
 
@@ -232,14 +303,20 @@ class Guard:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def _close(self, transport) -> None:
-        entry = self._waiting.pop(transport, None)
+    def _close(self, key) -> None:
+        entry = self._waiting.pop(key, None)
         if entry is None:
             return
-        entry[1].cancel()
+        _, timer, transport = entry
+        timer.cancel()
         if not transport.is_closing():
             self.closed += 1
             transport.abort()
+
+
+def _key(transport) -> Any:
+    sock = transport.get_extra_info("socket")
+    return sock if sock is not None else transport
 
 
 class Listener:
@@ -247,7 +324,7 @@ class Listener:
 
     def __init__(self, app: web.Application, tickets: Tickets, *, sniff_timeout: float = 30.0,
                  shutdown_timeout: float = 5.0, keepalive: float = KEEPALIVE_S,
-                 guard: Guard | None = None):  # fmt: skip
+                 guard: Guard | None = None, identity: Identity | None = None):  # fmt: skip
         # `sniff_timeout`: how long a connection may take to send a whole HTTP request's
         # head or its ticket; `keepalive`: how long an idle HTTP connection stays open.
         self.guard = guard or Guard(sniff_timeout)
@@ -255,6 +332,7 @@ class Listener:
         self.runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout,
                                     keepalive_timeout=keepalive)  # fmt: skip
         self.tickets = tickets
+        self.identity = identity  # the node's TLS certificate; None: cleartext only
         self.server: asyncio.Server | None = None
         self._sniffers: weakref.WeakSet[Sniffer] = weakref.WeakSet()
 
@@ -265,7 +343,7 @@ class Listener:
         return await handler(request)
 
     def _sniffer(self, http: Callable[[], asyncio.Protocol]) -> Sniffer:
-        sniffer = Sniffer(http, self.tickets, self.guard)
+        sniffer = Sniffer(http, self.tickets, self.guard, self.identity)
         self._sniffers.add(sniffer)
         return sniffer
 

@@ -34,6 +34,7 @@ from exo_split.transport.client import Timeouts
 from exo_split.transport.datalink import Tickets
 from exo_split.transport.keys import KeyRing
 from exo_split.transport.limits import KVLedger, Limits, Refused
+from exo_split.transport.tls import Identity
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class ServerState:
     tickets: Tickets = field(default_factory=Tickets)  # admitted prefills' data connections
     nonces: Nonces = field(default_factory=Nonces)  # handed out by /v1/hello (peer proofs)
     keys: KeyRing = field(default_factory=lambda: KeyRing(None))  # clients' own API keys
+    identity: Identity | None = None  # the node's TLS certificate (transport/tls.py)
+    insecure_transport: bool = False  # serve /v1/prefill in cleartext too (a trusted cable)
     ledger: KVLedger = field(init=False)
 
     def __post_init__(self) -> None:
@@ -207,7 +210,15 @@ async def hello(request: web.Request) -> web.Response:
     if not is_nonce(nc):
         return error(400, "bad_request", f"nonce must be {NONCE_HEX} lowercase hex digits")
     ns = state.nonces.issue()
-    return web.json_response({"nonce": ns, "proof": server_proof(state.token, nc, ns)})
+    cert = state.identity.fingerprint if over_tls(request) and state.identity else ""
+    proof = server_proof(state.token, nc, ns, cert)
+    return web.json_response({"nonce": ns, "cert": cert, "proof": proof})
+
+
+def over_tls(request: web.Request) -> bool:
+    return request.transport is not None and (
+        request.transport.get_extra_info("ssl_object") is not None
+    )
 
 
 async def json_body(request: web.Request) -> Any:
