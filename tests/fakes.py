@@ -181,7 +181,10 @@ def replay(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.abort()
             return resp
-        conn.close()
+        if upto is None:
+            await conn.finish(10)  # a whole stream ends as a node ends it
+        else:
+            conn.close()
         return resp
 
     return plan
@@ -204,7 +207,7 @@ def proxy(real_url: str, record: list[bytes]) -> Callable:
             conn.write(chunk)
         writer.close()
         record.append(bytes(got))
-        conn.close()
+        await conn.finish(10)  # as a node ends a whole stream: after the receiver
         return resp
 
     return plan

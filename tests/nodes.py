@@ -80,6 +80,11 @@ class NodeProcess:
     def url(self) -> str:
         return f"http://{self.addr}"
 
+    @property
+    def tls_url(self) -> str:
+        """The node's port over TLS (node-to-node endpoints such as /v1/prefill need it)."""
+        return f"https://{self.addr}"
+
     def log(self) -> str:
         self._log.flush()
         return self.log_file.read_text()
@@ -157,8 +162,13 @@ async def open_kv_stream(url: str, body: dict, authorization: str = f"Bearer {TO
 
 
 async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
+    """One request; over https the node's certificate is not checked (the tests' own)."""
+    from exo_split.transport.tls import client_context
+
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     headers |= kw.pop("headers", {})
+    if url.startswith("https://"):
+        kw.setdefault("ssl", client_context())
     async with aiohttp.ClientSession() as s, s.request(method, url, headers=headers, **kw) as resp:
         return resp.status, await resp.read(), dict(resp.headers)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fakes import fake_identity
 from nodes import CACHE, TOKEN, NodeProcess, request
 from reference import reference_generate
 
@@ -290,7 +291,7 @@ def test_without_multicast_static_peers_do_everything(checkpoint, tmp_path) -> N
 # A device on the LAN that advertises itself as the best prefill node for our model: it
 # records every request it gets and answers /v1/hello with a proof it cannot make.
 _ROGUE = r"""
-import json, sys
+import json, ssl, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 log = open(sys.argv[2], "a", buffering=1)
 class H(BaseHTTPRequestHandler):
@@ -309,7 +310,11 @@ class H(BaseHTTPRequestHandler):
     do_GET = do_POST = _any
     def log_message(self, *a):
         pass
-ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+server = ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # it speaks TLS as nodes do, with its own cert
+ctx.load_cert_chain(sys.argv[3])
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+server.serve_forever()
 """
 
 
@@ -329,7 +334,7 @@ def test_a_rogue_advertiser_never_gets_the_token_nor_supplies_kv(cluster: Cluste
     env = {**ENV, "MDNS_AGENT_HOST_NETNS": str(os.stat("/proc/self/ns/net").st_ino),
            "EXO_SPLIT_TOKEN": "", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # fmt: skip
     server = subprocess.Popen([*ns_exec_prefix(c.a), sys.executable, "-c", _ROGUE, str(port),
-                               str(log)], env=env)  # fmt: skip
+                               str(log), str(fake_identity().path)], env=env)  # fmt: skip
     agent = subprocess.Popen(
         [*ns_exec_prefix(c.a), sys.executable, str(Path(__file__).parent / "mdns_agent.py"),
          "node", "--iface", c.a.ipv4, "--port", str(port), "--node-id", "rogue0001",

@@ -19,6 +19,8 @@ import pytest
 from nodes import TOKEN, NodeProcess, generate, open_kv_stream, request, running
 from reference import prompt_ids, reference_generate
 
+from exo_split.transport.tls import client_context
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 LAYERS = 6
@@ -141,7 +143,9 @@ def test_prefill_node_at_its_limit_answers_503_with_retry_after(nodes):
             assert code == 200 and (await reader.readexactly(32))[:4] == b"EXOS"
         async with (
             aiohttp.ClientSession() as s,
-            s.post(f"{prefill.url}/v1/prefill", json=body, headers=headers) as third,
+            s.post(
+                f"{prefill.tls_url}/v1/prefill", json=body, headers=headers, ssl=client_context()
+            ) as third,
         ):
             answer = third.status, dict(third.headers), await third.json()
         for _, _, writer in held:

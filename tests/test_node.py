@@ -139,7 +139,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(pairs):
     for bad in (vocab, 2**31 - 1):
         prefill_body = {"request_id": "v", "token_ids": [1, 5, bad], "spec": spec,
                         "fingerprint": spec["fingerprint"]}  # fmt: skip
-        status, raw, _ = asyncio.run(request("POST", f"{t.url}/v1/prefill", json=prefill_body))
+        status, raw, _ = asyncio.run(request("POST", f"{t.tls_url}/v1/prefill", json=prefill_body))
         assert status == 400, raw
         message = json.loads(raw)["message"]
         assert f"token id {bad} is outside the vocabulary (ids 0..{vocab - 1})" == message
@@ -159,7 +159,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(pairs):
         (m, "/v1/generate", {"token_ids": [1, -1], "max_tokens": 2, "prefill_peer": t.addr}),
         (m, "/v1/completions", {"model": model, "prompt": [1, -1], "max_tokens": 2}),
     ):  # fmt: skip
-        status, raw, _ = asyncio.run(request("POST", node.url + path, json=ids_body))
+        base = node.tls_url if path == "/v1/prefill" else node.url  # node-to-node: TLS only
+        status, raw, _ = asyncio.run(request("POST", base + path, json=ids_body))
         assert status == 400, (path, raw)
         assert "non-negative" in raw.decode() or "list of token ids" in raw.decode(), raw
     # no work: nothing counted (no prefill, no generate, no ticket), nothing held at any
@@ -211,7 +212,7 @@ def test_prefill_endpoint_answers_409_naming_fields(pairs, checkpoint):
         "spec": spec,
         "fingerprint": spec["fingerprint"],
     }
-    status, raw, _ = asyncio.run(request("POST", f"{t.url}/v1/prefill", json=body))
+    status, raw, _ = asyncio.run(request("POST", f"{t.tls_url}/v1/prefill", json=body))
     assert status == 409
     assert "architecture: 'llama' != 'qwen3'" in json.loads(raw)["message"]
     assert not raw.startswith(b"EXOS")

@@ -153,7 +153,7 @@ def _proven(peers, token: str | None) -> list:
     import aiohttp
 
     from exo_split.errors import PeerUnavailable
-    from exo_split.transport.client import prove_peer
+    from exo_split.transport.peer import prove_peer
 
     if not token:
         return list(peers)

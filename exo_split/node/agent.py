@@ -277,15 +277,13 @@ class Node:
                 log.warning("prefill peer %s unusable: %s", url, exc)
                 if isinstance(exc, UntrustedPeer):  # it advertised itself, it cannot prove it
                     self.untrusted[url] = time.monotonic()
-                    if named is None:  # the next best, if any: an advert earns nothing
-                        ranked = ranked[1:]
-                        peer = ranked[0] if ranked else None
-                        url, unreachable = (peer.url if peer else None), str(exc)
-                        continue
-                if named is None and req.prefill == "auto":
-                    url, unreachable = None, str(exc)
-                else:  # asked for: let the coordinator try it (and fall back if it must)
-                    figures = self._figures_without_link(url, peer, req, prompt_len)
+                if named is None and (isinstance(exc, UntrustedPeer) or req.prefill == "auto"):
+                    ranked = ranked[1:]  # the next best, if any: an advert earns nothing
+                    peer = ranked[0] if ranked else None
+                    url, unreachable = (peer.url if peer else None), str(exc)
+                    continue
+                # asked for: let the coordinator try it (and fall back if it must)
+                figures = self._figures_without_link(url, peer, req, prompt_len)
                 break
         if url is not None and figures is not None:
             unreachable = None

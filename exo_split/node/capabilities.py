@@ -28,7 +28,7 @@ from exo_split.backends.base import DecodeStats
 from exo_split.errors import PeerUnavailable
 from exo_split.node.policy import LinkEstimate
 from exo_split.sampling import GREEDY
-from exo_split.transport.client import peer_headers
+from exo_split.transport.peer import peer_headers
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter

@@ -152,7 +152,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
                 inflight_bytes=limits.max_inflight_bytes, progress=progress,
                 die_after_layer=state.die_after_layer, prefix=state.prefix,
             )  # fmt: skip
-            conn.close()
+            await conn.finish(state.timeouts.connect)
             if state.on_prefilled is not None:  # what this node's speed really is (learn.py)
                 state.on_prefilled(progress.tokens, end["prefill_end"] - end["prefill_start"])
         except ClientGone as exc:
@@ -162,7 +162,7 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             conn.abort()
         except Exception as exc:  # sent in-band as an ERROR frame
             log.warning("prefill %s failed: %s", req.request_id, exc)
-            conn.close()
+            await conn.finish(state.timeouts.connect)
         except BaseException:
             conn.abort()
             raise

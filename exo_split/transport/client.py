@@ -8,7 +8,6 @@ IncompatiblePeer, ProtocolError) whose message says which peer and what happened
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,10 +28,10 @@ from exo_split.errors import (
     UntrustedPeer,
 )
 from exo_split.transport import wire
-from exo_split.transport.auth import is_nonce, new_nonce, proof_header, server_proof
 from exo_split.transport.datalink import TICKET, TICKET_MAGIC
 from exo_split.transport.decoder import Destination, Frame, FrameDecoder, ThreadCrc
-from exo_split.transport.tls import DATA_TLS_MAGIC, client_context, fingerprint_of, is_fingerprint
+from exo_split.transport.peer import client_errors, peer_headers
+from exo_split.transport.tls import DATA_TLS_MAGIC, client_context, fingerprint_of
 
 
 @dataclass(frozen=True)
@@ -58,56 +57,6 @@ class Timeouts:
             "total": self.total,
             "busy_wait": self.busy_wait,
         }
-
-
-async def peer_headers(
-    session: aiohttp.ClientSession, base_url: str, token: str | None, method: str,
-    target: str, body: bytes = b"", *, timeout: float = 5.0,
-) -> dict[str, Any]:  # fmt: skip
-    """The request arguments (`headers`, `ssl`) of one request to a peer, once the peer has
-    proven that it holds the token (GET /v1/hello, transport/auth.py); the token itself
-    never travels. Over https the request is pinned to the certificate the proof covers
-    (transport/tls.py). A peer that cannot prove it (a stranger advertising itself on the
-    LAN, an older exo-split) is UntrustedPeer, and nothing else was sent to it."""
-    secure = base_url.startswith("https://")
-    if not token:
-        return {"headers": {}, "ssl": client_context()} if secure else {"headers": {}}
-    what = f"{method} {target.partition('?')[0]}"  # what a failure to connect is named after
-    nc, ns, cert = await prove_peer(session, base_url, token, timeout=timeout, what=what)
-    headers = {"Authorization": proof_header(token, nc, ns, method, target, body)}
-    if not secure:
-        return {"headers": headers}
-    return {"headers": headers, "ssl": aiohttp.Fingerprint(bytes.fromhex(cert))}
-
-
-async def prove_peer(
-    session: aiohttp.ClientSession, base_url: str, token: str, *, timeout: float = 5.0,
-    what: str = "GET /v1/hello",
-) -> tuple[str, str, str]:  # fmt: skip
-    """(our nonce, the peer's, its certificate's fingerprint: "" in cleartext) once the peer
-    has proven it holds `token`; UntrustedPeer otherwise (see `peer_headers`)."""
-    nc = new_nonce()
-    secure = base_url.startswith("https://")
-    extra = {"ssl": client_context()} if secure else {}
-    with _client_errors(base_url, what):
-        async with session.get(
-            f"{base_url}/v1/hello?nonce={nc}", timeout=aiohttp.ClientTimeout(total=timeout),
-            **extra,
-        ) as resp:  # fmt: skip
-            answer = await resp.json(content_type=None) if resp.status == 200 else None
-    ns = answer.get("nonce") if isinstance(answer, dict) else None
-    proof = answer.get("proof") if isinstance(answer, dict) else None
-    cert = answer.get("cert", "") if isinstance(answer, dict) else ""
-    if not (is_nonce(ns) and isinstance(proof, str)
-            and (is_fingerprint(cert) if secure else cert == "")
-            and hmac.compare_digest(proof, server_proof(token, nc, ns, cert))):  # fmt: skip
-        raise UntrustedPeer(
-            f"{base_url} did not prove that it holds the shared token (GET /v1/hello): "
-            "nothing was sent to it",
-            hint="a device that only advertises itself, or a node with another token or an "
-            "older exo-split",
-        )
-    return nc, ns, cert
 
 
 async def _raise_for_status(resp: aiohttp.ClientResponse, peer: str) -> None:
@@ -143,38 +92,12 @@ def _retry_after(value: str | None) -> float:
         return 1.0
 
 
-def _client_errors(peer: str, what: str):
-    """Map transport exceptions to PeerUnavailable with the peer's name."""
-
-    class _Ctx:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, et, exc, tb):
-            if exc is None or isinstance(exc, ExoSplitError):
-                return False
-            if isinstance(exc, asyncio.TimeoutError | TimeoutError):
-                raise PeerUnavailable(f"{peer}: {what} timed out") from exc
-            if isinstance(exc, aiohttp.ServerFingerprintMismatch):
-                raise UntrustedPeer(
-                    f"{peer}: {what}: the TLS certificate is not the one its proof covered",
-                    hint="something between the nodes answers for the peer",
-                ) from exc
-            if isinstance(exc, aiohttp.ClientError | OSError | EOFError):
-                raise PeerUnavailable(
-                    f"{peer}: {what} failed: {exc or type(exc).__name__}"
-                ) from exc
-            return False
-
-    return _Ctx()
-
-
 async def fetch_info(
     session: aiohttp.ClientSession, base_url: str, token: str | None, *, timeout: float = 5.0
 ) -> dict[str, Any]:
     """GET /v1/info of a node."""
     auth = await peer_headers(session, base_url, token, "GET", "/v1/info", timeout=timeout)
-    with _client_errors(base_url, "GET /v1/info"):
+    with client_errors(base_url, "GET /v1/info"):
         async with session.get(
             f"{base_url}/v1/info", **auth, timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
@@ -217,20 +140,11 @@ class _StreamProtocol(asyncio.BufferedProtocol):
         return self.decoder.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._frames(nbytes, None)
-
-    def data_received(self, data: bytes) -> None:
-        """Over TLS (`_Decrypted`): plaintext copied once into the decoder's buffers."""
-        self._frames(len(data), data)
-
-    def _frames(self, nbytes: int, data: bytes | None) -> None:
         assert self.transport is not None
         self.last_data = asyncio.get_running_loop().time()
         self.bytes += nbytes
         try:
-            frames = (
-                self.decoder.buffer_updated(nbytes) if data is None else self.decoder.feed(data)
-            )
+            frames = self.decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
             self._end(_Bad(exc))
             self.transport.abort()
@@ -264,29 +178,6 @@ class _StreamProtocol(asyncio.BufferedProtocol):
         if not self.ended:
             self.ended = True
             self.events.put_nowait(item)
-
-
-class _Decrypted(asyncio.Protocol):
-    """A TLS data connection's plaintext, handed to its _StreamProtocol as copies. asyncio's
-    TLS reads a buffered protocol one buffer at a time and, when the peer's FIN comes with
-    data still decrypted but unread, drops that data (CPython 3.11-3.13 sslproto's flush):
-    the copying path it takes for a plain Protocol reads all there is first."""
-
-    def __init__(self, stream: _StreamProtocol):
-        self.stream = stream
-
-    def data_received(self, data: bytes) -> None:
-        self.stream.data_received(data)
-
-    def eof_received(self) -> bool:
-        return self.stream.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.stream.connection_lost(exc)
-
-    def pause_writing(self) -> None: ...
-
-    def resume_writing(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -353,7 +244,7 @@ async def kv_stream(
         timeout=timeouts.first_frame,
     )  # fmt: skip
     auth["headers"]["Content-Type"] = "application/json"
-    with _client_errors(base_url, "POST /v1/prefill"):
+    with client_errors(base_url, "POST /v1/prefill"):
         resp = await asyncio.wait_for(
             session.post(f"{base_url}/v1/prefill", data=data, **auth, timeout=timeout),
             timeout=timeouts.first_frame,
@@ -372,7 +263,7 @@ async def kv_stream(
                             max_pending, tls=pin is not None)  # fmt: skip
     url = urlsplit(base_url)
     try:
-        with _client_errors(base_url, "the KV data connection"):
+        with client_errors(base_url, "the KV data connection"):
             raw, _ = await asyncio.wait_for(
                 loop.create_connection(lambda: proto, url.hostname, url.port), timeouts.connect
             )
@@ -387,13 +278,12 @@ async def kv_stream(
 
 
 async def _start_tls(loop, raw, proto: _StreamProtocol, pin, peer: str, timeout: float) -> None:
-    """The data connection's TLS, pinned like the POST it follows; then its ticket."""
+    """The data connection's TLS, pinned like the POST it follows; then its ticket. The
+    frames are decrypted straight into the decoder's buffers (the decode cache); the prefill
+    node closes after we do (DataConnection.finish), never with records left unread."""
     try:
         tls = await asyncio.wait_for(
-            loop.start_tls(
-                raw, _Decrypted(proto), client_context(), ssl_handshake_timeout=timeout
-            ),  # fmt: skip
-            timeout,
+            loop.start_tls(raw, proto, client_context(), ssl_handshake_timeout=timeout), timeout
         )
     except BaseException:
         raw.abort()
@@ -471,7 +361,7 @@ async def generate_events(
     auth = await peer_headers(session, base_url, token, "POST", "/v1/generate", data,
                               timeout=timeouts.connect)  # fmt: skip
     auth["headers"]["Content-Type"] = "application/json"
-    with _client_errors(base_url, "POST /v1/generate"):
+    with client_errors(base_url, "POST /v1/generate"):
         async with session.post(
             f"{base_url}/v1/generate", data=data, **auth, timeout=timeout
         ) as resp:

@@ -145,6 +145,16 @@ class DataConnection:
     def close(self) -> None:
         self.transport.close()
 
+    async def finish(self, wait: float) -> None:
+        """Close after the stream's last frame. Over TLS the receiver closes first (for at most
+        `wait` s): a FIN that comes with records it has not read yet makes asyncio's TLS on
+        the receiving side drop them (CPython 3.11-3.13 sslproto: its flush at EOF reads
+        one buffer), and it reads into the cache a block at a time."""
+        if self.tls is not None:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(self.lost.wait(), wait)
+        self.close()
+
     def abort(self) -> None:
         self.transport.abort()
 
