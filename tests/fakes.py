@@ -170,7 +170,7 @@ def replay(
         for i in range(0, len(out), piece):
             if conn.lost.is_set():
                 break
-            conn.write(out[i : i + piece])
+            await conn.send(out[i : i + piece])
             served.sent += len(out[i : i + piece])
             await asyncio.sleep(0)
         if then == "stall":
@@ -198,19 +198,30 @@ def proxy(real_url: str, record: list[bytes]) -> Callable:
         resp, conn = await _admit(request)
         if conn is None:
             return resp
-        # The client's proof is bound to this fake's nonce: the proxy speaks for itself.
-        code, reader, writer = await open_kv_stream(real_url, served.body)
+        # The client's proof is bound to this fake's nonce: the proxy speaks for itself. In
+        # cleartext (the real node needs --insecure-transport): the record keeps real CRCs.
+        code, reader, writer = await open_kv_stream(real_url, served.body, tls=False)
         assert code == 200, reader
         got = bytearray()
-        while chunk := await reader.read(65536):
+        while not _ends_with_end(got) and (chunk := await reader.read(65536)):
             got += chunk
-            conn.write(chunk)
+            await conn.send(chunk)
         writer.close()
         record.append(bytes(got))
         await conn.finish(10)  # as a node ends a whole stream: after the receiver
         return resp
 
     return plan
+
+
+def _ends_with_end(data: bytes) -> bool:
+    """Whether `data` is whole frames, the last of them END (a node then waits for us)."""
+    i, kind = 0, None
+    while i + wire.HEADER_SIZE <= len(data):
+        header = wire.FrameHeader.unpack(data[i : i + wire.HEADER_SIZE])
+        i += wire.HEADER_SIZE + header.payload_len
+        kind = header.kind
+    return i == len(data) and kind is wire.Kind.END
 
 
 def bad_ticket() -> Callable:

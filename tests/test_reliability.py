@@ -64,8 +64,10 @@ def ckpt(checkpoint):
 def nodes(ckpt, tmp_path_factory):
     work = tmp_path_factory.mktemp("reliability")
     started = {
-        "prefill": NodeProcess(ckpt, "torch", work),
-        "decode": NodeProcess(ckpt, "mlx", work, *TIMEOUT_FLAGS),
+        # serves TLS and cleartext: the fake records its stream in cleartext (real CRCs)
+        "prefill": NodeProcess(ckpt, "torch", work, "--insecure-transport"),
+        "decode": NodeProcess(ckpt, "mlx", work, *TIMEOUT_FLAGS),  # to peers over TLS
+        "decode_plain": NodeProcess(ckpt, "mlx", work, *TIMEOUT_FLAGS, "--insecure-transport"),
     }
     for k in KILL_AT:
         env = {"EXO_SPLIT_TEST_DIE_AFTER_LAYER": str(k)}
@@ -274,11 +276,23 @@ MISBEHAVIOUR = {
 }
 
 
-@pytest.mark.parametrize("case", MISBEHAVIOUR, ids=list(MISBEHAVIOUR))
-def test_misbehaving_peer_falls_back_to_local_prefill(nodes, plan, captured, expected, case):
+# Each misbehaviour over TLS (as nodes talk by default) and in cleartext (--insecure-transport),
+# but a bad CRC in cleartext only: over TLS frames carry no CRC, a changed byte fails its TLS
+# record instead (tests/test_tls.py).
+CASES = [(c, t) for c in MISBEHAVIOUR for t in ("tls", "plain") if (c, t) != ("bad CRC", "tls")]
+
+
+def _decode(nodes, transport: str):
+    return nodes["decode" if transport == "tls" else "decode_plain"]
+
+
+@pytest.mark.parametrize(("case", "transport"), CASES, ids=[f"{c}-{t}" for c, t in CASES])
+def test_misbehaving_peer_falls_back_to_local_prefill(nodes, plan, captured, expected, case,
+                                                       transport):  # fmt: skip
     make, reason = MISBEHAVIOUR[case]
     plan.default = make(captured)
-    events, elapsed = _generate(nodes["decode"], {"prefill_peer": plan.addr})
+    decode = _decode(nodes, transport)
+    events, elapsed = _generate(decode, {"prefill_peer": plan.addr})
     rep = assert_fell_back(events, expected, reason)
     print(f"{case}: fallback done in {elapsed:.2f} s ({rep['fallback']})")
     if "stall" in case or "answer" in case:
@@ -287,7 +301,7 @@ def test_misbehaving_peer_falls_back_to_local_prefill(nodes, plan, captured, exp
         while plan.served[-1].closed_by_client is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert plan.served[-1].closed_by_client is not None
-    assert_idle(nodes["decode"])
+    assert_idle(decode)
 
 
 def test_unreachable_peer_times_out_on_connect(nodes, expected):
@@ -304,13 +318,14 @@ NONE_CASES = ("bad CRC", "stall mid-stream", "503 busy", "wrong fingerprint")
 def test_fallback_none_fails_the_request_clearly(nodes, plan, captured, case):
     make, reason = MISBEHAVIOUR[case]
     plan.default = make(captured)
-    events, _ = _generate(nodes["decode"], {"prefill_peer": plan.addr, "fallback": "none"})
+    decode = _decode(nodes, "plain" if case == "bad CRC" else "tls")
+    events, _ = _generate(decode, {"prefill_peer": plan.addr, "fallback": "none"})
     assert events[-1]["type"] == "error", events[-1]
     message = events[-1]["message"]
     assert message.startswith("remote prefill failed and fallback is none: "), message
     assert reason in message and plan.addr in message
     assert not any(e["type"] in ("token", "fallback", "done") for e in events)
-    assert_idle(nodes["decode"])
+    assert_idle(decode)
 
 
 def test_split_generate_cli_with_fallback_none_exits_with_the_reason(nodes, plan, captured):
@@ -343,7 +358,9 @@ def test_mutated_streams_against_a_live_decode_node(nodes, plan, ckpt):
     leak of these small requests' KV from noise."""
     ids = prompt_ids(40, seed=3)
     want = reference_generate(ckpt, ids, 4)
-    decode = nodes["decode"]
+    # In cleartext, where the frames' CRCs are the integrity check: over TLS a changed byte
+    # never reaches the parser (its record fails, tests/test_tls.py) and LAYER CRCs are 0.
+    decode = nodes["decode_plain"]
     record: list[bytes] = []
     plan.plans.append(proxy(nodes["prefill"].url, record))
     body = {"prefill_peer": plan.addr, "chunk": 16}

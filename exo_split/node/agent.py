@@ -75,7 +75,7 @@ class NodeConfig:
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # finished requests' KV; 0: none
-    header_timeout: float = 10.0  # a connection's time to identify itself (datalink.Guard)
+    header_timeout: float = 10.0  # a connection's time to identify itself (limits.Guard)
     keys_file: Path | None = None  # clients' API keys (transport/keys.py); None: none
     identity: Identity | None = None  # the node's TLS certificate; None: no TLS served
     insecure_transport: bool = False  # to peers over plain TCP, /v1/prefill served so too

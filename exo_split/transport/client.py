@@ -25,13 +25,12 @@ from exo_split.errors import (
     PeerBusy,
     PeerUnavailable,
     ProtocolError,
-    UntrustedPeer,
 )
 from exo_split.transport import wire
-from exo_split.transport.datalink import TICKET, TICKET_MAGIC
-from exo_split.transport.decoder import Destination, Frame, FrameDecoder, ThreadCrc
+from exo_split.transport.datalink import TICKET
+from exo_split.transport.decoder import Destination, Frame, FrameDecoder, NoCrc, ThreadCrc
 from exo_split.transport.peer import client_errors, peer_headers
-from exo_split.transport.tls import DATA_TLS_MAGIC, client_context, fingerprint_of
+from exo_split.transport.stream import Bad, Eof, Lost, PlainStream, TlsStream
 
 
 @dataclass(frozen=True)
@@ -108,93 +107,6 @@ async def fetch_info(
     return info
 
 
-class _StreamProtocol(asyncio.BufferedProtocol):
-    """One KV stream, received straight into the decoder's buffers (the decode cache itself
-    when the decoder has a Destination): the kernel copies, nothing else does. Complete
-    frames, and how the stream ended, go to `events`. Frames that carry their own payload
-    (no Destination) pause reading while more than `max_pending` bytes of them wait."""
-
-    def __init__(self, decoder: FrameDecoder, ticket: bytes, max_pending: int,
-                 tls: bool = False):  # fmt: skip
-        self.decoder, self.ticket, self.max_pending = decoder, ticket, max_pending
-        self.tls = tls  # the ticket goes inside TLS (`start`), after DATA_TLS_MAGIC
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.transport: asyncio.Transport | None = None
-        self.last_data = asyncio.get_running_loop().time()
-        self.bytes = self.pending = 0
-        self.paused = self.ended = False
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        if self.tls:
-            transport.write(DATA_TLS_MAGIC)
-        else:
-            self.start(transport)
-
-    def start(self, transport) -> None:
-        """The ticket, on the (TLS) transport the stream comes on from here."""
-        self.transport = transport
-        transport.write(TICKET.pack(TICKET_MAGIC, PROTOCOL_VERSION, self.ticket))
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.decoder.get_buffer()
-
-    def buffer_updated(self, nbytes: int) -> None:
-        assert self.transport is not None
-        self.last_data = asyncio.get_running_loop().time()
-        self.bytes += nbytes
-        try:
-            frames = self.decoder.buffer_updated(nbytes)
-        except ProtocolError as exc:
-            self._end(_Bad(exc))
-            self.transport.abort()
-            return
-        for frame in frames:
-            self.pending += len(frame.payload or b"") if frame.kind is wire.Kind.LAYER else 0
-            self.events.put_nowait(frame)
-        if self.pending > self.max_pending and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-
-    def taken(self, frame: Frame) -> None:
-        if frame.kind is wire.Kind.LAYER and frame.payload is not None:
-            self.pending -= len(frame.payload)
-        if self.paused and self.pending <= self.max_pending and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-
-    def eof_received(self) -> bool:
-        try:
-            self.decoder.eof()
-            self._end(_Eof(None))
-        except ProtocolError as exc:
-            self._end(_Eof(exc))
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._end(_Lost(exc))
-
-    def _end(self, item) -> None:
-        if not self.ended:
-            self.ended = True
-            self.events.put_nowait(item)
-
-
-@dataclass(frozen=True)
-class _Bad:  # the stream broke a rule
-    exc: ProtocolError
-
-
-@dataclass(frozen=True)
-class _Eof:  # the peer closed; exc: what was missing
-    exc: ProtocolError | None
-
-
-@dataclass(frozen=True)
-class _Lost:  # the connection failed (reset, ...)
-    exc: Exception | None
-
-
 def _ticket(answer: Any, peer: str) -> bytes:
     ok = isinstance(answer, dict) and answer.get("protocol") == PROTOCOL_VERSION
     value = answer.get("ticket") if ok else None
@@ -257,47 +169,33 @@ async def kv_stream(
             raise ProtocolError(f"{base_url}: POST /v1/prefill answered 200 with {exc}") from exc
         finally:
             resp.release()
-    crc = ThreadCrc()
-    pin = auth.get("ssl")
-    proto = _StreamProtocol(FrameDecoder(spec, dest=dest, crc=crc), _ticket(answer, base_url),
-                            max_pending, tls=pin is not None)  # fmt: skip
+    pin = auth.get("ssl")  # over https: the certificate's fingerprint the POST was pinned to
+    crc = ThreadCrc() if pin is None else NoCrc()
+    decoder, ticket = FrameDecoder(spec, dest=dest, crc=crc), _ticket(answer, base_url)
+    stream = (PlainStream if pin is None else TlsStream)(decoder, ticket, max_pending)
     url = urlsplit(base_url)
     try:
         with client_errors(base_url, "the KV data connection"):
-            raw, _ = await asyncio.wait_for(
-                loop.create_connection(lambda: proto, url.hostname, url.port), timeouts.connect
-            )
-            if pin is not None:
-                await _start_tls(loop, raw, proto, pin, base_url, timeouts.connect)
-        async for frame in _frames(proto, base_url, timeouts, hello_by, deadline):
+            if isinstance(stream, TlsStream):
+                await asyncio.wait_for(
+                    asyncio.to_thread(stream.connect, url.hostname, url.port,
+                                      pin.fingerprint.hex(), timeouts.connect, base_url),
+                    timeouts.connect + 1,
+                )  # fmt: skip
+                stream.start()
+            else:
+                await asyncio.wait_for(
+                    loop.create_connection(lambda: stream, url.hostname, url.port),
+                    timeouts.connect,
+                )
+        async for frame in _frames(stream, base_url, timeouts, hello_by, deadline):
             yield frame
     finally:
-        if proto.transport is not None:
-            proto.transport.abort()
+        stream.close()
         crc.close()
 
 
-async def _start_tls(loop, raw, proto: _StreamProtocol, pin, peer: str, timeout: float) -> None:
-    """The data connection's TLS, pinned like the POST it follows; then its ticket. The
-    frames are decrypted straight into the decoder's buffers (the decode cache); the prefill
-    node closes after we do (DataConnection.finish), never with records left unread."""
-    try:
-        tls = await asyncio.wait_for(
-            loop.start_tls(raw, proto, client_context(), ssl_handshake_timeout=timeout), timeout
-        )
-    except BaseException:
-        raw.abort()
-        raise
-    if tls is None or fingerprint_of(tls.get_extra_info("ssl_object")) != pin.fingerprint.hex():
-        raw.abort()
-        raise UntrustedPeer(
-            f"{peer}: the KV data connection's certificate is not the one its proof covered",
-            hint="something between the nodes answers for the peer",
-        )
-    proto.start(tls)
-
-
-async def _frames(proto: _StreamProtocol, peer: str, timeouts: Timeouts, hello_by: float,
+async def _frames(proto: PlainStream | TlsStream, peer: str, timeouts: Timeouts, hello_by: float,
                   deadline: float) -> AsyncIterator[Frame]:  # fmt: skip
     loop, n = asyncio.get_running_loop(), 0
     while True:
@@ -321,11 +219,11 @@ async def _frames(proto: _StreamProtocol, peer: str, timeouts: Timeouts, hello_b
             raise PeerUnavailable(
                 f"{peer} stalled: no data for {timeouts.idle:g} s after {n} frames"
             ) from exc
-        if isinstance(item, _Bad):
+        if isinstance(item, Bad):
             raise ProtocolError(f"{peer}: {item.exc}") from item.exc
-        if isinstance(item, _Eof):
+        if isinstance(item, Eof):
             raise PeerUnavailable(f"{peer} closed the stream: {item.exc or 'EOF after END'}")
-        if isinstance(item, _Lost):
+        if isinstance(item, Lost):
             why = type(item.exc).__name__ if item.exc else "closed"
             raise PeerUnavailable(
                 f"{peer} closed the stream: connection lost after {n} frames ({why})"

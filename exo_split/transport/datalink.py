@@ -12,7 +12,6 @@ stage and a sendmsg stage) so neither the event loop nor the compute thread copi
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import hashlib
@@ -30,18 +29,12 @@ import weakref
 from asyncio import sslproto
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION
-from exo_split.transport.tls import (
-    DATA_TLS_MAGIC,
-    TLS_RECORD,
-    Identity,
-    ServerHandshake,
-    TlsSender,
-)
+from exo_split.transport.limits import Guard
+from exo_split.transport.tls import DATA_TLS_MAGIC, TLS_RECORD, Identity
 from exo_split.transport.wire import Buffer, WireDtype, layer_frame
 
 log = logging.getLogger(__name__)
@@ -107,33 +100,34 @@ class DataConnection:
     reading it only to notice the receiver leaving (`lost`); the sender writes through
     `socket()`, a duplicate of the descriptor for a blocking thread."""
 
-    def __init__(self, transport: asyncio.Transport, tls: ServerHandshake | None = None):
+    def __init__(self, transport: asyncio.Transport, tls: ssl.SSLSocket | None = None):
         self.transport = transport
-        self.tls = tls  # a TLS data connection: its SSL object, the send thread's from here
+        self.tls = tls  # a TLS data connection: its TLS socket (blocking), the send thread's
         self.lost = asyncio.Event()
         self.why = ""
         self.on_lost: list[Callable[[], None]] = []
 
-    def socket(self, timeout: float) -> socket.socket | TlsSender:
-        """A blocking socket of our own (a dup) for the send threads; over TLS, one that
-        encrypts (`TlsSender`). ConnectionError when the connection closed before we got
-        here (its descriptor is then -1)."""
+    def socket(self, timeout: float) -> socket.socket:
+        """A blocking socket of our own (a dup) for the send threads; over TLS, the TLS
+        socket the handshake made (`ssl.SSLSocket`, used by one thread). ConnectionError
+        when the connection closed before we got here (its descriptor is then -1)."""
         raw = self.transport.get_extra_info("socket")
         fd = raw.fileno() if raw is not None else -1
         if fd < 0 or self.transport.is_closing():
             raise ConnectionAbortedError("the data connection closed before the stream began")
+        if self.tls is not None:
+            self.tls.settimeout(timeout)
+            return self.tls
         sock = socket.socket(fileno=os.dup(fd))
         sock.settimeout(timeout)
-        if self.tls is not None:
-            return TlsSender(sock, self.tls.sslobj, self.tls.outgoing)
         return sock
 
-    def write(self, data: bytes) -> None:
+    async def send(self, data: bytes) -> None:
         """Send `data` from the event loop (tests' fake peers; nodes send with `socket`)."""
-        if self.tls is not None:
-            self.tls.sslobj.write(data)
-            data = self.tls.outgoing.read()
-        self.transport.write(data)
+        if self.tls is None:
+            self.transport.write(data)
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self.tls.sendall, data)
 
     def peer_left(self, why: str) -> None:
         if not self.lost.is_set():
@@ -143,19 +137,27 @@ class DataConnection:
                 callback()
 
     def close(self) -> None:
+        """Close now; over TLS with TLS's own end (close_notify), so the receiver tells this
+        end from a cut (a reset, a FIN alone)."""
+        if self.tls is not None:
+            with contextlib.suppress(OSError, ValueError):  # SSLWantReadError: sent, not acked
+                self.tls.setblocking(False)
+                self.tls.unwrap()
+            self.tls.close()
         self.transport.close()
 
     async def finish(self, wait: float) -> None:
-        """Close after the stream's last frame. Over TLS the receiver closes first (for at most
-        `wait` s): a FIN that comes with records it has not read yet makes asyncio's TLS on
-        the receiving side drop them (CPython 3.11-3.13 sslproto: its flush at EOF reads
-        one buffer), and it reads into the cache a block at a time."""
+        """Close after the stream's last frame; over TLS after the receiver has closed its
+        end (for at most `wait` s), so a receiver never meets the end of the connection
+        with records still unread."""
         if self.tls is not None:
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await asyncio.wait_for(self.lost.wait(), wait)
         self.close()
 
     def abort(self) -> None:
+        if self.tls is not None:
+            self.tls.close()
         self.transport.abort()
 
 
@@ -170,7 +172,7 @@ class Sniffer(asyncio.BufferedProtocol):
         self.identity = identity  # None: no TLS on this port
         self.transport: asyncio.Transport | None = None
         self.conn: DataConnection | None = None
-        self.handshake: ServerHandshake | None = None  # a TLS data connection's, until redeemed
+        self.handshaking = False  # a TLS data connection's handshake runs on a thread
         self._buf = bytearray(TICKET.size)
         self._n = 0
 
@@ -181,8 +183,6 @@ class Sniffer(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.conn is not None:  # the receiver sends nothing after its ticket
             return memoryview(self._buf)
-        if self.handshake is not None:
-            return memoryview(self._tls_buf)
         want = len(TICKET_MAGIC) if self._n < len(TICKET_MAGIC) else TICKET.size
         return memoryview(self._buf)[self._n : want]
 
@@ -192,16 +192,12 @@ class Sniffer(asyncio.BufferedProtocol):
             self.conn.peer_left("the receiver sent data on the KV stream")
             self.transport.abort()
             return
-        if self.handshake is not None:
-            self._tls_data(bytes(self._tls_buf[:nbytes]))
-            return
         self._n += nbytes
         head = bytes(self._buf[: min(self._n, len(TICKET_MAGIC))])
         if head[:1] == bytes([TLS_RECORD]) and self.identity is not None:
             self._to_https()
         elif head == DATA_TLS_MAGIC and self.identity is not None:
-            self.handshake = ServerHandshake(self.identity.context, TICKET.size)
-            self._tls_buf = bytearray(16384)
+            self._start_tls_data()
         elif not (TICKET_MAGIC.startswith(head) or DATA_TLS_MAGIC.startswith(head)):
             self._to_http()
         elif head == TICKET_MAGIC and self._n == TICKET.size:
@@ -233,21 +229,53 @@ class Sniffer(asyncio.BufferedProtocol):
         buf[: self._n] = self._buf[: self._n]
         tls.buffer_updated(self._n)
 
-    def _tls_data(self, data: bytes) -> None:
-        """A TLS data connection's handshake, then its ticket (inside TLS)."""
-        assert self.transport is not None and self.handshake is not None
-        try:
-            out = self.handshake.feed(data)
-        except ssl.SSLError as exc:
-            log.info("refused a data connection: TLS handshake failed (%s)", exc.reason)
-            self.transport.abort()
-            return
-        if out:
-            self.transport.write(out)
-        if self.handshake.complete:
-            self._redeem(self.handshake.data[: TICKET.size], tls=True)
+    def _start_tls_data(self) -> None:
+        """A TLS data connection: the event loop stops reading it, and a thread runs the
+        handshake and reads the ticket on a blocking TLS socket over a duplicate of its
+        descriptor (the send thread then writes through that socket: OpenSSL encrypts
+        straight from the KV, no copy on the event loop). Bounded by the guard's deadline."""
+        assert self.transport is not None and self.identity is not None
+        self.transport.pause_reading()
+        self.handshaking = True
+        raw = self.transport.get_extra_info("socket")
+        sock = socket.socket(fileno=os.dup(raw.fileno()))
+        sock.settimeout(self.guard.deadline)
+        loop = asyncio.get_running_loop()
+        context = self.identity.context
 
-    def _redeem(self, raw: bytes, *, tls: bool) -> None:
+        def handshake() -> None:
+            try:
+                tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                tls.do_handshake()
+                ticket = bytearray()
+                while len(ticket) < TICKET.size:
+                    chunk = tls.recv(TICKET.size - len(ticket))
+                    if not chunk:
+                        raise ConnectionError("closed before its ticket")
+                    ticket += chunk
+            except (OSError, ValueError) as exc:  # ssl.SSLError, a timeout, a reset
+                sock.close()
+                loop.call_soon_threadsafe(self._tls_failed, exc)
+                return
+            loop.call_soon_threadsafe(self._tls_ready, tls, bytes(ticket))
+
+        threading.Thread(target=handshake, name="kv-tls-accept", daemon=True).start()
+
+    def _tls_failed(self, exc: BaseException) -> None:
+        self.handshaking = False
+        log.info("refused a data connection: TLS handshake failed (%s)", exc)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _tls_ready(self, tls: ssl.SSLSocket, ticket: bytes) -> None:
+        self.handshaking = False
+        if self.transport is None or self.transport.is_closing():  # the guard gave up on it
+            tls.close()
+            return
+        self.transport.resume_reading()  # only to notice the receiver leaving
+        self._redeem(ticket, tls=True, sock=tls)
+
+    def _redeem(self, raw: bytes, *, tls: bool, sock: ssl.SSLSocket | None = None) -> None:
         assert self.transport is not None
         self.guard.identified(self.transport)
         magic, version, value = TICKET.unpack(raw)
@@ -258,10 +286,11 @@ class Sniffer(asyncio.BufferedProtocol):
         if ticket is None or ticket.future.done():
             log.info("refused a data connection: %s", "unknown or used ticket" if ok
                      else f"protocol version {version}")  # fmt: skip
+            if sock is not None:
+                sock.close()
             self.transport.abort()
             return
-        self.conn = DataConnection(self.transport, self.handshake if tls else None)
-        self.handshake = None
+        self.conn = DataConnection(self.transport, sock)
         ticket.future.set_result(self.conn)
 
     def eof_received(self) -> bool:
@@ -274,59 +303,6 @@ class Sniffer(asyncio.BufferedProtocol):
             self.guard.identified(self.transport)  # gone: nothing to watch any more
         if self.conn is not None:
             self.conn.peer_left(f"the KV stream was lost ({exc or 'closed'})")
-
-
-class Guard:
-    """Bounds the connections that have not said who they are (no complete HTTP request, no
-    valid ticket yet): each is closed `deadline` seconds after it arrived, and at most
-    `per_address` of one address and `total` of all wait at once; past those the oldest
-    waiting one is closed, so a new client always gets its chance. Without it one byte per
-    connection held a descriptor for an hour (issue 18, H2)."""
-
-    def __init__(self, deadline: float, *, per_address: int = 32, total: int = 128):
-        self.deadline, self.per_address, self.total = deadline, per_address, total
-        # Keyed by the connection's socket: HTTP over TLS identifies itself on the TLS
-        # transport, which shares the socket of the TCP transport that arrived.
-        self._waiting: collections.OrderedDict[Any, tuple[str, asyncio.TimerHandle, Any]] = (
-            collections.OrderedDict()
-        )
-        self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
-
-    def arrived(self, transport) -> None:
-        peer = transport.get_extra_info("peername")
-        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        same = [k for k, (a, _, _) in self._waiting.items() if a == addr]
-        if len(same) >= self.per_address:
-            self._close(same[0])
-        if len(self._waiting) >= self.total:
-            self._close(next(iter(self._waiting)))
-        key = _key(transport)
-        timer = asyncio.get_running_loop().call_later(self.deadline, self._close, key)
-        self._waiting[key] = (addr, timer, transport)
-
-    def identified(self, transport) -> None:
-        entry = self._waiting.pop(_key(transport), None)
-        if entry is not None:
-            entry[1].cancel()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def _close(self, key) -> None:
-        entry = self._waiting.pop(key, None)
-        if entry is None:
-            return
-        _, timer, transport = entry
-        timer.cancel()
-        if not transport.is_closing():
-            self.closed += 1
-            transport.abort()
-
-
-def _key(transport) -> Any:
-    sock = transport.get_extra_info("socket")
-    return sock if sock is not None else transport
 
 
 class Listener:
@@ -395,6 +371,7 @@ class FrameSender:
     def __init__(self, sock: socket.socket, *, on_error: Callable[[BaseException], None],
                  ahead: int = 2):  # fmt: skip
         self.sock, self.on_error = sock, on_error
+        self._tls = isinstance(sock, ssl.SSLSocket)  # no sendmsg: sendall, part by part
         self.error: BaseException | None = None
         self.bytes_sent = 0
         self._crc_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -426,8 +403,8 @@ class FrameSender:
         side's descriptor."""
         if abort:
             self._fail(ConnectionAbortedError("the KV stream was closed"), notify=False)
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sendmsg blocked on the peer
+            with contextlib.suppress(OSError):  # wakes a send blocked on the peer (the
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # socket's, not TLS's)
         self._crc_q.put(("stop", None, None))
         for t in self._threads:
             t.join(timeout=30)
@@ -436,13 +413,18 @@ class FrameSender:
     def _crc_stage(self) -> None:
         while True:
             op, arg, done = item = self._crc_q.get()
-            if op == "layer":
-                item = ("frame", None, done)  # dropped if the stream has failed
+            if op in ("layer", "frame"):
+                parts = None  # dropped if the stream has failed
                 if self.error is None:
                     try:
-                        item = ("frame", layer_frame(*arg), done)
-                    except Exception as exc:  # a frame that cannot be encoded fails the stream
+                        # over TLS: CRC 0, TLS authenticates the frame (decoder.NoCrc)
+                        parts = (
+                            layer_frame(*arg, 0 if self._tls else None) if op == "layer" else arg
+                        )
+                    except Exception as exc:  # a frame that cannot be encoded
+                        parts = None
                         self._fail(exc)
+                item = ("frame", parts, done)
             self._send_q.put(item)
             if op == "stop":
                 return
@@ -474,6 +456,11 @@ class FrameSender:
 
     def _sendmsg_all(self, parts: list[Buffer]) -> None:
         bufs = [memoryview(p).cast("B") for p in parts if len(p)]
+        if self._tls:
+            for buf in bufs:
+                self.sock.sendall(buf)
+                self.bytes_sent += len(buf)
+            return
         while bufs:
             n = self.sock.sendmsg(bufs[:IOV_MAX])
             self.bytes_sent += n

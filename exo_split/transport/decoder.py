@@ -85,6 +85,20 @@ class InlineCrc:
         return self._value
 
 
+class NoCrc:
+    """Over TLS: LAYER frames' CRC is neither computed nor checked (senders write 0; TLS
+    authenticates every byte: a changed byte fails its record before the frame sees it)."""
+
+    def start(self) -> None: ...
+
+    def update(self, view: memoryview) -> None: ...
+
+    def finish(self) -> None:
+        return None
+
+    def close(self) -> None: ...
+
+
 class ThreadCrc:
     """CRC-32 on a worker thread trailing the receive pointer (the CRC releases the GIL, so
     it runs beside the receiving thread). `finish()` returns a Future of the frame's CRC."""
@@ -320,7 +334,7 @@ class FrameDecoder:
         piece = self._next[0]
         computed = self.crc.finish()
         pending = computed if isinstance(computed, concurrent.futures.Future) else None
-        if pending is None:
+        if pending is None and computed is not None:  # None: NoCrc, over TLS
             check_crc(h, computed)
         self.layer_frames += 1
         self._next = next(self._frames, None)

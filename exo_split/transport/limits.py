@@ -6,11 +6,13 @@ server turns into 413 (can never fit) or 503 + Retry-After (busy now), always be
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from exo_split.errors import ExoSplitError
 from exo_split.kv import itemsize
@@ -158,3 +160,56 @@ def decode_kv_bytes(
     plus `staging`: received frames waiting to be copied in, for a backend that cannot hand
     out its cache's memory (0 when frames land in the cache itself)."""
     return kv_bytes(spec, prompt_len + max_tokens, dtype) + staging
+
+
+class Guard:
+    """Bounds the connections that have not said who they are (no complete HTTP request, no
+    valid ticket yet): each is closed `deadline` seconds after it arrived, and at most
+    `per_address` of one address and `total` of all wait at once; past those the oldest
+    waiting one is closed, so a new client always gets its chance. Without it one byte per
+    connection held a descriptor for an hour (issue 18, H2)."""
+
+    def __init__(self, deadline: float, *, per_address: int = 32, total: int = 128):
+        self.deadline, self.per_address, self.total = deadline, per_address, total
+        # Keyed by the connection's socket: HTTP over TLS identifies itself on the TLS
+        # transport, which shares the socket of the TCP transport that arrived.
+        self._waiting: collections.OrderedDict[Any, tuple[str, asyncio.TimerHandle, Any]] = (
+            collections.OrderedDict()
+        )
+        self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
+
+    def arrived(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        same = [k for k, (a, _, _) in self._waiting.items() if a == addr]
+        if len(same) >= self.per_address:
+            self._close(same[0])
+        if len(self._waiting) >= self.total:
+            self._close(next(iter(self._waiting)))
+        key = _key(transport)
+        timer = asyncio.get_running_loop().call_later(self.deadline, self._close, key)
+        self._waiting[key] = (addr, timer, transport)
+
+    def identified(self, transport) -> None:
+        entry = self._waiting.pop(_key(transport), None)
+        if entry is not None:
+            entry[1].cancel()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _close(self, key) -> None:
+        entry = self._waiting.pop(key, None)
+        if entry is None:
+            return
+        _, timer, transport = entry
+        timer.cancel()
+        if not transport.is_closing():
+            self.closed += 1
+            transport.abort()
+
+
+def _key(transport) -> Any:
+    sock = transport.get_extra_info("socket")
+    return sock if sock is not None else transport

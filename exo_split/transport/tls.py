@@ -9,9 +9,10 @@ terminates TLS with a certificate of its own cannot make the proof for its certi
 cannot present the node's certificate: it is refused before anything but a nonce was sent.
 
 Both planes share the node's one port: `datalink.Sniffer` tells a TLS ClientHello (HTTP over
-TLS, handed to asyncio's TLS and then aiohttp), a `DATA_TLS_MAGIC` data connection (TLS run
-by hand over memory buffers, so the prefill node's send thread encrypts and writes the KV
-itself, `TlsSender`) and cleartext apart.
+TLS, handed to asyncio's TLS and then aiohttp), a `DATA_TLS_MAGIC` data connection and
+cleartext apart. A data connection's TLS runs on blocking sockets, off the event loop: its
+handshake on a thread, then the prefill node's send thread encrypts straight from the KV and
+the decode node's receive thread decrypts straight into its cache (transport/stream.py).
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ import datetime
 import functools
 import hashlib
 import os
-import socket
 import ssl
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from exo_split.errors import ExoSplitError
 
 DATA_TLS_MAGIC = b"EXOT"  # a KV data connection whose TLS handshake follows these 4 bytes
 TLS_RECORD = 0x16  # the first byte of a TLS handshake record: HTTP over TLS
-PLAIN_CHUNK = 1 << 20  # plaintext encrypted per sendall by the send thread
 
 
 @dataclass(frozen=True)
@@ -153,80 +151,3 @@ def secure_url(url: str, secure: bool) -> str:
     if secure and url.startswith("http://"):
         return "https://" + url.removeprefix("http://")
     return url
-
-
-class ServerHandshake:
-    """The server side of a data connection's TLS, run by hand over memory buffers: the event
-    loop feeds it what arrives and writes what it returns; once the handshake is done, the
-    first `want` bytes of application data (the ticket) come out, and the SSL object then
-    belongs to the send thread (`TlsSender`)."""
-
-    def __init__(self, context: ssl.SSLContext, want: int):
-        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.sslobj = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
-        self.want = want
-        self.done = False
-        self.data = b""
-
-    def feed(self, data: bytes) -> bytes:
-        """Bytes received -> bytes to send. ssl.SSLError for a bad handshake."""
-        self.incoming.write(data)
-        if not self.done:
-            try:
-                self.sslobj.do_handshake()
-                self.done = True
-            except ssl.SSLWantReadError:
-                pass
-        if self.done and len(self.data) < self.want:
-            with contextlib.suppress(ssl.SSLWantReadError):
-                self.data += self.sslobj.read(self.want - len(self.data))
-        return self.outgoing.read()
-
-    @property
-    def complete(self) -> bool:
-        return self.done and len(self.data) >= self.want
-
-
-class TlsSender:
-    """The socket a send thread writes a TLS data connection through: `sendmsg` encrypts (the
-    SSL object's own buffers) and writes the records to `sock`, a blocking socket of our own.
-    Only one thread uses it; the event loop has let go of the SSL object."""
-
-    def __init__(self, sock: socket.socket, sslobj: ssl.SSLObject, outgoing: ssl.MemoryBIO):
-        self.sock, self.sslobj, self.outgoing = sock, sslobj, outgoing
-
-    def sendmsg(self, buffers: Sequence[memoryview]) -> int:
-        """Encrypt and send up to PLAIN_CHUNK bytes from the front of `buffers`; returns the
-        plaintext bytes sent (all of them, or an OSError)."""
-        n = 0
-        for buf in buffers:
-            piece = buf[: PLAIN_CHUNK - n]
-            n += self.sslobj.write(piece)
-            if n >= PLAIN_CHUNK:
-                break
-        self.sock.sendall(self.outgoing.read())
-        return n
-
-    def sendall(self, data) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[self.sendmsg([view]) :]
-
-    def settimeout(self, timeout: float | None) -> None:
-        self.sock.settimeout(timeout)
-
-    def setsockopt(self, *args) -> None:
-        self.sock.setsockopt(*args)
-
-    def shutdown(self, how: int) -> None:
-        self.sock.shutdown(how)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError, ssl.SSLError):  # a clean TLS end, if the peer is there
-            self.sslobj.unwrap()
-        with contextlib.suppress(OSError):
-            self.sock.sendall(self.outgoing.read())
-        self.sock.close()
