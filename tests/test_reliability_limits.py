@@ -264,10 +264,12 @@ def test_a_silent_generate_stream_gets_heartbeats(backends, ckpt, monkeypatch):
 def test_300_idle_connections_cannot_starve_a_node_of_descriptors(ckpt, tmp_path):
     """The prefill node runs under RLIMIT_NOFILE=256 (macOS's default soft limit; the MLX
     node cannot be the one: mlx-lm raises its own soft limit to 2048 at import); 300
-    connections arrive that never send a request (half send nothing, half one byte, which
-    hands them to HTTP). Its /v1/health and a real split request through it still answer,
-    and every one of the 300 is closed, by the per-address cap (oldest first) or the header
-    deadline, without the test closing any."""
+    connections arrive that never send a request (a quarter each: nothing; one byte, which
+    hands them to HTTP; a TLS record's first byte, which starts HTTPS; a TLS data connection's
+    magic, whose handshake runs on a thread, at most 16 at once). Its /v1/health and a real
+    split request through it (over TLS) still answer, and every one of the 300 is closed, by
+    the per-address cap (oldest first), the handshake cap or the header deadline, without the
+    test closing any."""
     import socket
 
     from nodes import NodeProcess, generate_sync, request
@@ -281,8 +283,8 @@ def test_300_idle_connections_cannot_starve_a_node_of_descriptors(ckpt, tmp_path
         port = t.info["port"]
         for i in range(300):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            if i % 2:
-                s.sendall(b"G")
+            if i % 4:
+                s.sendall([b"G", b"\x16", b"EXOT"][i % 4 - 1])
             socks.append(s)
         status, body, _ = asyncio.run(request("GET", t.url + "/v1/health"))
         assert status == 200, body

@@ -267,3 +267,48 @@ def test_the_openai_client_reaches_a_node_over_tls_trusting_its_certificate(node
                            max_retries=0)  # fmt: skip
     with pytest.raises(openai.APIConnectionError):
         strict.models.list()
+
+
+def test_the_guard_bounds_data_tls_handshakes_per_address_and_in_all():
+    """Each TLS data connection's handshake runs on a thread: one address may run 4 at once
+    (a fifth cuts its own oldest), all addresses 16 (another cuts the oldest of all); a cut
+    one's descriptor is shut down (its thread wakes) and its connection closed."""
+    import socket
+
+    from exo_split.transport.limits import Guard
+
+    class Transport:  # what the guard asks of a connection's transport
+        def __init__(self, addr: str):
+            self.info, self.aborted = {"socket": object(), "peername": (addr, 1)}, False
+
+        def get_extra_info(self, name):
+            return self.info[name]
+
+        def is_closing(self) -> bool:
+            return self.aborted
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    async def run():
+        guard, pairs = Guard(30.0), []
+
+        def start(addr: str):
+            t, (mine, theirs) = Transport(addr), socket.socketpair()
+            guard.arrived(t)
+            guard.handshake_started(t, mine)
+            pairs.append((t, mine, theirs))
+            return t
+
+        flood = [start("10.0.0.9") for _ in range(6)]
+        assert guard.handshakes == 4 and [t.aborted for t in flood] == [True] * 2 + [False] * 4
+        assert pairs[0][2].recv(1) == b""  # the cut one's socket was shut down
+        others = [start(f"10.0.1.{i}") for i in range(13)]  # 4 + 13 > 16: the oldest go
+        assert guard.handshakes == 16 and flood[2].aborted and not flood[3].aborted
+        assert not any(t.aborted for t in others)
+        guard.handshake_done(others[0])
+        assert guard.handshakes == 15
+        for _, mine, theirs in pairs:
+            mine.close(), theirs.close()
+
+    asyncio.run(run())

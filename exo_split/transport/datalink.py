@@ -240,6 +240,7 @@ class Sniffer(asyncio.BufferedProtocol):
         raw = self.transport.get_extra_info("socket")
         sock = socket.socket(fileno=os.dup(raw.fileno()))
         sock.settimeout(self.guard.deadline)
+        self.guard.handshake_started(self.transport, sock)
         loop = asyncio.get_running_loop()
         context = self.identity.context
 
@@ -263,12 +264,16 @@ class Sniffer(asyncio.BufferedProtocol):
 
     def _tls_failed(self, exc: BaseException) -> None:
         self.handshaking = False
+        if self.transport is not None:
+            self.guard.handshake_done(self.transport)
         log.info("refused a data connection: TLS handshake failed (%s)", exc)
         if self.transport is not None:
             self.transport.abort()
 
     def _tls_ready(self, tls: ssl.SSLSocket, ticket: bytes) -> None:
         self.handshaking = False
+        if self.transport is not None:
+            self.guard.handshake_done(self.transport)
         if self.transport is None or self.transport.is_closing():  # the guard gave up on it
             tls.close()
             return

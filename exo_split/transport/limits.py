@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,10 +178,16 @@ class Guard:
             collections.OrderedDict()
         )
         self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
+        # Data connections' TLS handshakes (each on a thread, over a duplicate descriptor):
+        # at most `max_handshakes` at once and 4 of one address (its oldest is cut first,
+        # so one flooding address cuts only its own), the oldest cut when another arrives.
+        self._handshaking: collections.OrderedDict[Any, tuple[str, socket.socket]] = (
+            collections.OrderedDict()
+        )
+        self.max_handshakes, self.handshakes_per_address = 16, 4
 
     def arrived(self, transport) -> None:
-        peer = transport.get_extra_info("peername")
-        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        addr = _address(transport)
         same = [k for k, (a, _, _) in self._waiting.items() if a == addr]
         if len(same) >= self.per_address:
             self._close(same[0])
@@ -189,6 +196,25 @@ class Guard:
         key = _key(transport)
         timer = asyncio.get_running_loop().call_later(self.deadline, self._close, key)
         self._waiting[key] = (addr, timer, transport)
+
+    def handshake_started(self, transport, sock: socket.socket) -> None:
+        """`sock` (a duplicate of the connection's descriptor) runs a TLS handshake on a
+        thread; the guard cuts it (shutdown wakes the thread) when it closes the connection,
+        and cuts the oldest one when `max_handshakes` run already."""
+        addr = _address(transport)
+        same = [k for k, (a, _) in self._handshaking.items() if a == addr]
+        if len(same) >= self.handshakes_per_address:
+            self._close(same[0])
+        while len(self._handshaking) >= self.max_handshakes:
+            self._close(next(iter(self._handshaking)))
+        self._handshaking[_key(transport)] = (addr, sock)
+
+    def handshake_done(self, transport) -> None:
+        self._handshaking.pop(_key(transport), None)
+
+    @property
+    def handshakes(self) -> int:
+        return len(self._handshaking)
 
     def identified(self, transport) -> None:
         entry = self._waiting.pop(_key(transport), None)
@@ -200,6 +226,10 @@ class Guard:
         return len(self._waiting)
 
     def _close(self, key) -> None:
+        handshake = self._handshaking.pop(key, None)
+        if handshake is not None:
+            with contextlib.suppress(OSError):
+                handshake[1].shutdown(socket.SHUT_RDWR)
         entry = self._waiting.pop(key, None)
         if entry is None:
             return
@@ -208,6 +238,11 @@ class Guard:
         if not transport.is_closing():
             self.closed += 1
             transport.abort()
+
+
+def _address(transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
 def _key(transport) -> Any:
