@@ -225,9 +225,12 @@ class Sniffer(asyncio.BufferedProtocol):
         )  # fmt: skip
         transport.set_protocol(tls)
         tls.connection_made(transport)
-        buf = tls.get_buffer(self._n)
-        buf[: self._n] = self._buf[: self._n]
-        tls.buffer_updated(self._n)
+        if isinstance(tls, asyncio.BufferedProtocol):  # Python >= 3.11's sslproto
+            buf = tls.get_buffer(self._n)
+            buf[: self._n] = self._buf[: self._n]
+            tls.buffer_updated(self._n)
+        else:  # 3.10's
+            tls.data_received(bytes(self._buf[: self._n]))
 
     def _start_tls_data(self) -> None:
         """A TLS data connection: the event loop stops reading it, and a thread runs the
