@@ -266,9 +266,9 @@ def test_300_idle_connections_cannot_starve_a_node_of_descriptors(ckpt, tmp_path
     node cannot be the one: mlx-lm raises its own soft limit to 2048 at import); 300
     connections arrive that never send a request (a quarter each: nothing; one byte, which
     hands them to HTTP; a TLS record's first byte, which starts HTTPS; a TLS data connection's
-    magic, whose handshake runs on a thread, at most 16 at once). Its /v1/health and a real
+    magic, refused at once: no ticket waits for that address). Its /v1/health and a real
     split request through it (over TLS) still answer, and every one of the 300 is closed, by
-    the per-address cap (oldest first), the handshake cap or the header deadline, without the
+    the per-address cap (oldest first), the ticket rule or the header deadline, without the
     test closing any."""
     import socket
 

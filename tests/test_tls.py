@@ -269,46 +269,42 @@ def test_the_openai_client_reaches_a_node_over_tls_trusting_its_certificate(node
         strict.models.list()
 
 
-def test_the_guard_bounds_data_tls_handshakes_per_address_and_in_all():
-    """Each TLS data connection's handshake runs on a thread: one address may run 4 at once
-    (a fifth cuts its own oldest), all addresses 16 (another cuts the oldest of all); a cut
-    one's descriptor is shut down (its thread wakes) and its connection closed."""
-    import socket
+def test_a_tls_data_handshake_starts_only_for_an_address_holding_a_ticket():
+    """Each TLS data connection's handshake runs on a thread: only as many start for an
+    address as it holds unredeemed TLS tickets (admitted prefills); a stranger's is closed
+    at once, and a handshake the guard gives up on is cut with its connection."""
+    from aiohttp import web
 
+    from exo_split.transport.datalink import Listener
     from exo_split.transport.limits import Guard
 
-    class Transport:  # what the guard asks of a connection's transport
-        def __init__(self, addr: str):
-            self.info, self.aborted = {"socket": object(), "peername": (addr, 1)}, False
-
-        def get_extra_info(self, name):
-            return self.info[name]
-
-        def is_closing(self) -> bool:
-            return self.aborted
-
-        def abort(self) -> None:
-            self.aborted = True
+    async def closed(reader) -> bool:
+        return await asyncio.wait_for(reader.read(1), 5) == b""
 
     async def run():
-        guard, pairs = Guard(30.0), []
-
-        def start(addr: str):
-            t, (mine, theirs) = Transport(addr), socket.socketpair()
-            guard.arrived(t)
-            guard.handshake_started(t, mine)
-            pairs.append((t, mine, theirs))
-            return t
-
-        flood = [start("10.0.0.9") for _ in range(6)]
-        assert guard.handshakes == 4 and [t.aborted for t in flood] == [True] * 2 + [False] * 4
-        assert pairs[0][2].recv(1) == b""  # the cut one's socket was shut down
-        others = [start(f"10.0.1.{i}") for i in range(13)]  # 4 + 13 > 16: the oldest go
-        assert guard.handshakes == 16 and flood[2].aborted and not flood[3].aborted
-        assert not any(t.aborted for t in others)
-        guard.handshake_done(others[0])
-        assert guard.handshakes == 15
-        for _, mine, theirs in pairs:
-            mine.close(), theirs.close()
+        tickets, guard = Tickets(), Guard(1.0)
+        listener = Listener(web.Application(), tickets, guard=guard,
+                            identity=fake_identity())  # fmt: skip
+        port = await listener.start("127.0.0.1", 0)
+        try:
+            stranger = await asyncio.open_connection("127.0.0.1", port)
+            stranger[1].write(DATA_TLS_MAGIC)  # no ticket for this address: no thread
+            assert await closed(stranger[0]) and guard.handshakes() == 0
+            tickets.issue("127.0.0.1", tls=True)
+            conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            for _, writer in conns:  # and no ClientHello: each would hang in its handshake
+                writer.write(DATA_TLS_MAGIC)
+            assert await closed(conns[1][0]) and await closed(conns[2][0])  # one ticket
+            assert guard.handshakes("127.0.0.1") == 1
+            assert await closed(conns[0][0])  # the guard's deadline (1 s) cut it
+            for _ in range(100):  # its thread woke and ended
+                if guard.handshakes() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert guard.handshakes() == 0
+            for _, writer in (stranger, *conns):
+                writer.close()
+        finally:
+            await listener.stop()
 
     asyncio.run(run())

@@ -88,6 +88,10 @@ class Tickets:
         del self._open[key]
         return ticket
 
+    def waiting_for(self, address: str | None) -> int:
+        """Unredeemed TLS tickets that a data connection from `address` could redeem."""
+        return sum(t.tls and t.address in (None, address) for t in self._open.values())
+
     def discard(self, ticket: Ticket) -> None:
         self._open.pop(hashlib.sha256(ticket.value).digest(), None)
 
@@ -163,8 +167,9 @@ class DataConnection:
 
 class Sniffer(asyncio.BufferedProtocol):
     """The first protocol of every accepted connection. It reads at most 4 bytes to tell a
-    data connection (TICKET_MAGIC) from HTTP; HTTP goes to aiohttp's protocol with those
-    bytes, a data connection reads its ticket and goes to the handler waiting for it."""
+    data connection (TICKET_MAGIC; DATA_TLS_MAGIC and TLS) from HTTPS (a TLS record) and
+    HTTP; HTTP(S) goes to aiohttp's protocol with those bytes, a data connection reads its
+    ticket and goes to the handler waiting for it."""
 
     def __init__(self, http: Callable[[], asyncio.Protocol], tickets: Tickets,
                  guard: Guard, identity: Identity | None = None):  # fmt: skip
@@ -238,6 +243,14 @@ class Sniffer(asyncio.BufferedProtocol):
         descriptor (the send thread then writes through that socket: OpenSSL encrypts
         straight from the KV, no copy on the event loop). Bounded by the guard's deadline."""
         assert self.transport is not None and self.identity is not None
+        peer = self.transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if self.guard.handshakes(address) >= self.tickets.waiting_for(address):
+            # Nobody there was admitted (or each admitted one already has its handshake):
+            # a stranger starts no thread here.
+            log.info("refused a TLS data connection from %s: no ticket waits for it", address)
+            self.transport.abort()
+            return
         self.transport.pause_reading()
         self.handshaking = True
         raw = self.transport.get_extra_info("socket")

@@ -178,13 +178,11 @@ class Guard:
             collections.OrderedDict()
         )
         self.closed = 0  # connections it closed (deadline or cap), for /v1/info and tests
-        # Data connections' TLS handshakes (each on a thread, over a duplicate descriptor):
-        # at most `max_handshakes` at once and 4 of one address (its oldest is cut first,
-        # so one flooding address cuts only its own), the oldest cut when another arrives.
+        # Data connections' TLS handshakes (each on a thread, over a duplicate descriptor;
+        # the Sniffer starts one only for an address that holds an unredeemed ticket)
         self._handshaking: collections.OrderedDict[Any, tuple[str, socket.socket]] = (
             collections.OrderedDict()
         )
-        self.max_handshakes, self.handshakes_per_address = 16, 4
 
     def arrived(self, transport) -> None:
         addr = _address(transport)
@@ -199,22 +197,16 @@ class Guard:
 
     def handshake_started(self, transport, sock: socket.socket) -> None:
         """`sock` (a duplicate of the connection's descriptor) runs a TLS handshake on a
-        thread; the guard cuts it (shutdown wakes the thread) when it closes the connection,
-        and cuts the oldest one when `max_handshakes` run already."""
-        addr = _address(transport)
-        same = [k for k, (a, _) in self._handshaking.items() if a == addr]
-        if len(same) >= self.handshakes_per_address:
-            self._close(same[0])
-        while len(self._handshaking) >= self.max_handshakes:
-            self._close(next(iter(self._handshaking)))
-        self._handshaking[_key(transport)] = (addr, sock)
+        thread; when the guard closes the connection it cuts the handshake too (a shutdown
+        wakes the thread)."""
+        self._handshaking[_key(transport)] = (_address(transport), sock)
 
     def handshake_done(self, transport) -> None:
         self._handshaking.pop(_key(transport), None)
 
-    @property
-    def handshakes(self) -> int:
-        return len(self._handshaking)
+    def handshakes(self, address: str | None = None) -> int:
+        """TLS handshakes running (of `address`; of all)."""
+        return sum(address in (None, a) for a, _ in self._handshaking.values())
 
     def identified(self, transport) -> None:
         entry = self._waiting.pop(_key(transport), None)
