@@ -229,6 +229,13 @@ def test_a_relay_with_its_own_certificate_gets_nothing_but_a_nonce(nodes, want):
     assert b"POST" not in heard and json.dumps(IDS[:12])[1:-1].encode() not in heard
 
 
+def test_info_names_the_certificate_and_how_the_node_reaches_its_peers(nodes):
+    cert = nodes["decode"].log().split("sha256 ")[1][:16]
+    decode, plain = nodes["decode"].info["tls"], nodes["plain"].info["tls"]
+    assert decode["cert_sha256"].startswith(cert) and decode["to_peers"] is True
+    assert plain["to_peers"] is False and plain["cert_sha256"] == decode["cert_sha256"]
+
+
 def test_a_node_serves_prefill_over_tls_only_unless_told(nodes):
     body = {"token_ids": [1, 2, 3]}
     code, raw, _ = asyncio.run(request("POST", f"{nodes['decode'].url}/v1/prefill", json=body))

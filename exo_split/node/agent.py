@@ -218,6 +218,10 @@ class Node:
                 "wired_bytes": getattr(self.backend, "wired_bytes", None),
                 "spec": self.spec.to_dict(),
                 "openai": {"model": self.model_id, "chat": self.chat is not None},
+                "tls": {
+                    "cert_sha256": getattr(self.config.identity, "fingerprint", None),
+                    "to_peers": not self.config.insecure_transport,
+                },
             }
             if self.speeds is not None:
                 self._info["capabilities"] |= {
