@@ -177,7 +177,6 @@ class Sniffer(asyncio.BufferedProtocol):
         self.identity = identity  # None: no TLS on this port
         self.transport: asyncio.Transport | None = None
         self.conn: DataConnection | None = None
-        self.handshaking = False  # a TLS data connection's handshake runs on a thread
         self._buf = bytearray(TICKET.size)
         self._n = 0
 
@@ -252,7 +251,6 @@ class Sniffer(asyncio.BufferedProtocol):
             self.transport.abort()
             return
         self.transport.pause_reading()
-        self.handshaking = True
         raw = self.transport.get_extra_info("socket")
         sock = socket.socket(fileno=os.dup(raw.fileno()))
         sock.settimeout(self.guard.deadline)
@@ -279,7 +277,6 @@ class Sniffer(asyncio.BufferedProtocol):
         threading.Thread(target=handshake, name="kv-tls-accept", daemon=True).start()
 
     def _tls_failed(self, exc: BaseException) -> None:
-        self.handshaking = False
         if self.transport is not None:
             self.guard.handshake_done(self.transport)
         log.info("refused a data connection: TLS handshake failed (%s)", exc)
@@ -287,7 +284,6 @@ class Sniffer(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def _tls_ready(self, tls: ssl.SSLSocket, ticket: bytes) -> None:
-        self.handshaking = False
         if self.transport is not None:
             self.guard.handshake_done(self.transport)
         if self.transport is None or self.transport.is_closing():  # the guard gave up on it
