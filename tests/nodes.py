@@ -41,6 +41,7 @@ class NodeProcess:
         host: str = "127.0.0.1",
         prefix: tuple[str, ...] | list[str] = (),
         prefix_cache_bytes: str = "0",
+        python: str = sys.executable,
     ):
         if mdns and not prefix:
             raise ValueError("mdns=True needs prefix=ns_exec_prefix(ns): never from the host")
@@ -51,7 +52,7 @@ class NodeProcess:
         # The split's own tests send the same prompt again and again: a prefix cache would
         # turn their handoffs into one-token ones. Multi-turn tests turn it on.
         where += ["--prefix-cache-bytes", prefix_cache_bytes]
-        cmd = [*prefix, sys.executable, "-m", "exo_split", "node", "--model", str(model_dir),
+        cmd = [*prefix, python, "-m", "exo_split", "node", "--model", str(model_dir),
                "--backend", backend, "--port", "0", "--ready-file", str(self.ready_file),
                *where, *extra]  # fmt: skip
         full_env = {**os.environ, "EXO_SPLIT_TOKEN": token, "EXO_SPLIT_CACHE": str(CACHE),

@@ -8,9 +8,17 @@ from pathlib import Path
 from exo_split.backends.base import Backend, Cancelled, DecodeStats, OnLayer, Prefilled
 from exo_split.errors import ExoSplitError
 
-BACKENDS = ("torch", "mlx")
-_MODULES = {"torch": "exo_split.backends.torch_backend", "mlx": "exo_split.backends.mlx_backend"}
-_EXTRAS = {"torch": "pip install 'exo-split[torch]'", "mlx": "pip install 'exo-split[mlx]'"}
+BACKENDS = ("torch", "mlx", "vllm")
+_MODULES = {
+    "torch": "exo_split.backends.torch_backend",
+    "mlx": "exo_split.backends.mlx_backend",
+    "vllm": "exo_split.backends.vllm_backend",
+}
+_EXTRAS = {
+    "torch": "pip install 'exo-split[torch]'",
+    "mlx": "pip install 'exo-split[mlx]'",
+    "vllm": "pip install 'exo-split[torch,vllm]' (docs/vllm.md)",
+}
 
 __all__ = [
     "BACKENDS",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 from pathlib import Path
 
 from exo_split.cli.common import add_token_option, model_dir, say, seconds, size
 from exo_split.cli.discover import add_discovery_options, interfaces, static_peers
+from exo_split.errors import ExoSplitError
 
 DEFAULT_PORT = 52417
 
@@ -25,7 +27,15 @@ def add_node(subparsers) -> None:
         type=model_dir,
         help="Hugging Face checkpoint directory, or an embedded model (smollm2, gemma3)",
     )
-    p.add_argument("--backend", required=True, choices=("torch", "mlx"))
+    p.add_argument("--backend", required=True, choices=("torch", "mlx", "vllm"))
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm: one of vLLM's engine arguments (VALUE read as JSON, else a string), e.g. "
+        "max_num_batched_tokens=4096, quantization=fp8, gpu_memory_utilization=0.8; repeatable",
+    )
     p.add_argument("--device", help="torch: cpu or cuda[:N] (default: cuda if present); mlx: cpu")
     p.add_argument(
         "--dtype",
@@ -139,6 +149,23 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+ENGINE_ARGS_ENV = "EXO_SPLIT_VLLM_ARGS"  # backends/vllm_backend.py reads it
+
+
+def engine_args(pairs: list[str]) -> dict:
+    """--engine-arg KEY=VALUE pairs as vLLM's keyword arguments (VALUE: JSON, else text)."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise ExoSplitError(f"--engine-arg {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 def cmd_node(args) -> int:
     from exo_split.node.agent import Node, NodeConfig
     from exo_split.node.capabilities import default_cache_dir
@@ -157,6 +184,10 @@ def cmd_node(args) -> int:
         f"{identity.fingerprint[:16]}...); node-to-node traffic "
         + ("in cleartext (--insecure-transport)" if args.insecure_transport else "encrypted")
     )
+    if args.engine_arg:
+        if args.backend != "vllm":
+            raise ExoSplitError("--engine-arg is for --backend vllm")
+        os.environ[ENGINE_ARGS_ENV] = json.dumps(engine_args(args.engine_arg))
     # Test hook (docs/reliability.md): SIGKILL the node once it has sent layer k.
     die_after = os.environ.get("EXO_SPLIT_TEST_DIE_AFTER_LAYER")
     config = NodeConfig(

@@ -16,7 +16,7 @@ from typing import Any
 from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ExoSplitError
 
-BACKENDS = ("torch", "mlx")
+BACKENDS = ("torch", "mlx", "vllm")
 DEVICES = ("cuda", "metal", "mps", "cpu")
 ROLES = ("prefill", "decode")
 SOURCES = ("mdns", "static", "both")

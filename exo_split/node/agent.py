@@ -31,7 +31,7 @@ from exo_split import PROTOCOL_VERSION, __version__
 from exo_split.backends import load_backend
 from exo_split.chat import ChatTemplate, has_chat_template
 from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, prefill_candidates
-from exo_split.discovery.peers import peer_url
+from exo_split.discovery.peers import ROLES, peer_url
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
 from exo_split.node import policy
@@ -138,7 +138,7 @@ class Node:
         )
         # One prefix cache for both roles: prompts prefilled here, conversations decoded here.
         self.prefix = None
-        if config.prefix_cache_bytes > 0:
+        if config.prefix_cache_bytes > 0 and not getattr(self.backend, "own_prefix_cache", False):
             self.prefix = PrefixCache(self.backend, limit_bytes=config.prefix_cache_bytes)
         self.coordinator = _Coordinator(
             self.backend,
@@ -188,6 +188,8 @@ class Node:
             prefill_tps=self.learned.local.headline(),
             decode_tps=self.speeds.decode_tps if self.speeds else None,
             quantization=self.quantization.tag if self.quantization is not None else None,
+            # vLLM prefills only: the decode node decodes (backends/vllm_backend.py)
+            roles=("prefill",) if getattr(self.backend, "prefill_only", False) else ROLES,
         )
 
     @property

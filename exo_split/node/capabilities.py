@@ -11,6 +11,7 @@ the warm-up drives whatever backend object it is given, on the caller's thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -45,7 +46,7 @@ class Speeds:
     """A node's measured speeds for one model on one backend/device/dtype."""
 
     prefill_tps: float
-    decode_tps: float
+    decode_tps: float | None  # None: a backend that only prefills (vllm)
     prefill_tokens: int  # prompt length of the timed prefill
     decode_steps: int  # decode steps timed
     seconds: float  # wall time of the whole warm-up
@@ -61,7 +62,8 @@ class Speeds:
         if d.get("version") != CACHE_VERSION:
             raise ValueError(f"cache version {d.get('version')!r} != {CACHE_VERSION}")
         speeds = cls(**{k: v for k, v in d.items() if k != "version"})
-        if not all(_finite_positive(x) for x in (speeds.prefill_tps, speeds.decode_tps)):
+        decode_ok = speeds.decode_tps is None or _finite_positive(speeds.decode_tps)
+        if not (_finite_positive(speeds.prefill_tps) and decode_ok):
             raise ValueError(f"speeds must be positive numbers, got {speeds}")
         return speeds
 
@@ -120,9 +122,13 @@ def save_cached(cache_dir: Path, speeds: Speeds) -> Path:
     return path
 
 
+_SEEDS = itertools.count()
+
+
 def _prompt(n: int, vocab_size: int) -> list[int]:
-    # Ids past the usual specials (0-2); the values do not change the compute.
-    rng = np.random.default_rng(0)
+    # Ids past the usual specials (0-2); the values do not change the compute. A new prompt
+    # each time: an engine with a prefix cache of its own (vLLM) would not compute a repeat.
+    rng = np.random.default_rng(next(_SEEDS))
     return rng.integers(3, max(vocab_size, 4), n).tolist()
 
 
@@ -168,6 +174,8 @@ def measure_speeds(
     t0 = clock()
     deadline = t0 + max(budget_s - (t0 - t_start), budget_s / 4)
     stats = DecodeStats()
+    if getattr(backend, "prefill_only", False):  # vLLM: the decode node decodes
+        return Speeds(prefill_tps, None, long, 0, clock() - t_start, backend_key(backend))
     for _ in backend.decode(
         done.cache, 3 % spec.vocab_size, max_tokens=decode_steps + 1, sampling=GREEDY,
         should_stop=lambda: stats.steps >= 2 and clock() >= deadline, stats=stats,
@@ -194,8 +202,8 @@ def startup_speeds(executor, backend, cache_dir: Path | None, *, warmup: bool,
     t0 = time.perf_counter()
     speeds, cached = executor.submit(node_speeds, backend, cache_dir, remeasure=remeasure).result()
     where = f"cached in {cache_dir}" if cached else f"measured in {time.perf_counter() - t0:.1f} s"
-    progress(f"speeds ({where}): prefill {speeds.prefill_tps:.0f} tok/s, "
-             f"decode {speeds.decode_tps:.1f} tok/s")  # fmt: skip
+    decode = "none" if speeds.decode_tps is None else f"{speeds.decode_tps:.1f} tok/s"
+    progress(f"speeds ({where}): prefill {speeds.prefill_tps:.0f} tok/s, decode {decode}")
     return speeds
 
 

@@ -87,6 +87,8 @@ async def info(request: web.Request) -> web.Response:
     cache = state.prefix.describe() if state.prefix is not None else _NO_PREFIX_CACHE
     stats["batch"] = state.batch.describe() if state.batch is not None else None
     stats["memory"] = state.backend.memory()
+    engine = getattr(state.backend, "describe", None)  # vLLM's own counts
+    stats["engine"] = engine() if engine is not None else None
     return web.json_response({**state.info, "stats": stats, "prefix_cache": cache})
 
 

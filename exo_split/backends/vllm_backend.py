@@ -1,0 +1,253 @@
+"""vLLM as a prefill engine: its engine in the node's process, our connector
+(vllm_connector.py) handing each layer's KV to the node's frame sender as vLLM computes it.
+
+A prefill is one vLLM request of the prompt with max_tokens=1. Its first token follows
+sampling.py's rule like every backend's: vLLM returns the raw logits of the last position
+(logprobs=-1 with logprobs_mode="raw_logits", flat), and stream_prefill samples them. So the
+first token is the node's choice by our rule, and the float32 logits can be compared with
+transformers'; the decode node never needs vLLM's sampler.
+
+vLLM's automatic prefix caching is this node's prefix cache: the node builds no PrefixCache
+of its own for this backend (`own_prefix_cache`), and positions vLLM found cached are read
+from its blocks like the ones it computes, so the decode node gets every position it lacks.
+vLLM chunks the prompt by its own token budget (max_num_batched_tokens, set at start-up):
+the plan's chunks follow that budget from position 0 (`prefill_chunks`); a request's own
+chunk size cannot change it. This backend only prefills: it has no decode loop or cache of
+its own (a decode node runs MLX or torch).
+
+Engine arguments beyond ours come from EXO_SPLIT_VLLM_ARGS (JSON object; the node's
+--engine-arg KEY=VALUE sets it): quantization, gpu_memory_utilization, kv_cache_memory_bytes,
+max_model_len, max_num_batched_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from exo_split.backends.base import Cancelled, Prefilled
+from exo_split.errors import BadCheckpoint, ExoSplitError
+from exo_split.kv import LayerKV, chunk_sizes
+from exo_split.spec import load_spec
+
+log = logging.getLogger(__name__)
+clock = time.perf_counter
+DEFAULT_BUDGET = 2048  # max_num_batched_tokens: the chunk vLLM prefills at a time
+ARGS_ENV = "EXO_SPLIT_VLLM_ARGS"
+SUPPORTED = ("0.32.0",)  # the vLLM releases whose connector contract tests passed
+_OURS = ("model", "dtype", "kv_transfer_config", "max_logprobs", "logprobs_mode")
+
+
+class VllmBackend:
+    name = "vllm"
+    prefill_only = True  # no decode loop: the decode node decodes
+    own_prefix_cache = True  # vLLM's automatic prefix caching
+    window_keep: tuple[int | None, ...] = ()
+
+    def __init__(self, llm, spec, dtype: str, device: str, budget: int, quantization: str | None):
+        self.llm, self.engine = llm, llm.llm_engine
+        self.spec, self.dtype, self.device, self.budget = spec, dtype, device, budget
+        self.quantization = None  # an MLX-quantization record (spec.Quantization): none here
+        self.engine_quantization = quantization  # vLLM's method (fp8, awq, ...) or None
+        self.counts = {"prefills": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
+
+    def prefill_chunks(self, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
+        return chunk_sizes(n_tokens, self.budget)
+
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        chunk: int | None = None,
+        on_layer: Callable[[LayerKV], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        capacity: int | None = None,
+        cache: Any = None,
+        emit_from: int = 0,
+    ) -> Prefilled:
+        """Run the prompt through vLLM; hand on positions [emit_from, n) of every layer as
+        the plan's pieces (chunk-major, then layer), or keep them (on_layer None) for
+        stream_kv / export. `chunk` and `capacity` do not apply (vLLM's own budget, blocks)."""
+        from vllm import SamplingParams
+
+        from exo_split.backends import vllm_kv as conn
+
+        if cache is not None:
+            raise ExoSplitError("the vllm backend keeps its prefix cache inside vLLM")
+        n, start = len(token_ids), emit_from
+        if not 0 <= start < n:
+            raise ValueError(f"emit_from {start} outside a prompt of {n} positions")
+        kept: list[LayerKV] = []
+        layers = range(self.spec.n_layers)
+        if on_layer is None:  # whole layers, after the prefill
+            pieces = [(layer, start, n - start) for layer in layers]
+        else:
+            pieces, at = [], 0
+            for size in chunk_sizes(n, self.budget):
+                if at + size > start:
+                    lo = max(at, start)
+                    pieces += [(layer, lo, at + size - lo) for layer in layers]
+                at += size
+        stop = should_stop or (lambda: False)
+        job = conn.Job(pieces, on_layer or kept.append, self.dtype, stop)
+        job_id = f"exo-split-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, flat_logprobs=True,
+                                detokenize=False, extra_args={conn.JOB_KEY: job_id})  # fmt: skip
+        conn.register(job_id, job)
+        finished = None
+        try:
+            self.engine.add_request(job_id, {"prompt_token_ids": list(token_ids)}, params)
+            while finished is None:
+                for out in self.engine.step():
+                    if out.request_id == job_id and out.finished:
+                        finished = out
+                if job.error is not None or stop():
+                    break
+                if finished is None and not self.engine.has_unfinished_requests():
+                    raise ExoSplitError("vLLM dropped the prefill request")
+            computed_at = clock()
+        finally:
+            if finished is None:
+                self.engine.abort_request([job_id])
+            conn.unregister(job_id)
+        if isinstance(job.error, conn.Cancelled) or (finished is None and stop()):
+            raise Cancelled("prefill cancelled")
+        if job.error is not None:
+            raise job.error
+        if not job.done:
+            raise ExoSplitError(
+                f"vLLM finished the prefill with {len(pieces) - job.next_piece} of "
+                f"{len(pieces)} pieces not handed on: its hooks did not run for every layer "
+                f"({len(job.saves)} calls)"
+            )
+        self.counts["prefills"] += 1
+        self.counts["prompt_tokens"] += n
+        self.counts["prefix_hit_tokens"] += int(finished.num_cached_tokens or 0)
+        return Prefilled(cache=kept or None, logits=self._logits(finished), computed_at=computed_at)
+
+    def describe(self) -> dict:
+        """GET /v1/info's stats.engine: vLLM's version, budget, quantization and counts
+        (prefix_hit_tokens: positions vLLM found in its prefix cache and did not compute)."""
+        import vllm
+
+        return {"name": "vllm", "version": vllm.__version__, "max_num_batched_tokens": self.budget,
+                "quantization": self.engine_quantization, **self.counts}  # fmt: skip
+
+    def _logits(self, out) -> np.ndarray:
+        lp = out.outputs[0].logprobs
+        logits = np.full(self.spec.vocab_size, -np.inf, dtype=np.float32)
+        ids = np.asarray(lp.token_ids[lp.start_indices[0] : lp.end_indices[0]])
+        vals = np.asarray(lp.logprobs[lp.start_indices[0] : lp.end_indices[0]], np.float32)
+        inside = ids < self.spec.vocab_size  # vLLM may pad the vocabulary
+        logits[ids[inside]] = vals[inside]
+        return logits
+
+    def stream_kv(self, cache, on_layer, *, chunk=None, should_stop=None, start_pos: int = 0):
+        for kv in cache or ():
+            if should_stop is not None and should_stop():
+                raise Cancelled("prefill cancelled while sending")
+            piece = kv.since(start_pos)
+            if piece is not None:
+                on_layer(piece)
+
+    def export(self, cache) -> list[LayerKV]:
+        return list(cache or ())
+
+    def warm(self) -> float:
+        """One prefill of a budget's length: vLLM's first request pays for its kernels."""
+        t0 = clock()
+        n = min(self.budget, max(1, self.spec.max_position_embeddings - 1), 256)
+        ids = [3 % self.spec.vocab_size] * n
+        self.prefill(ids, on_layer=lambda kv: None)
+        return clock() - t0
+
+    def memory(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception as exc:  # the process is going anyway
+            log.debug("vLLM shutdown: %s", exc)
+
+    def _decode_only(self, *args, **kwargs):
+        raise ExoSplitError(
+            "the vllm backend only prefills: it has no decode loop",
+            hint="point clients at the decode node (MLX or torch), which reaches this one",
+        )
+
+    decode = step = new_cache = inject = _decode_only
+
+
+def engine_args(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
+    """vLLM's arguments: the node's, then EXO_SPLIT_VLLM_ARGS' (which may not set ours)."""
+    from vllm.config import KVTransferConfig
+
+    extra = json.loads(os.environ.get(ARGS_ENV) or "{}")
+    if not isinstance(extra, dict):
+        raise ExoSplitError(f"{ARGS_ENV} must be a JSON object of vLLM engine arguments")
+    clash = sorted(set(extra) & set(_OURS))
+    if clash:
+        raise ExoSplitError(f"vLLM engine arguments {', '.join(clash)} are set by exo-split")
+    if (
+        int(extra.get("tensor_parallel_size", 1)) > 1
+        or int(extra.get("pipeline_parallel_size", 1)) > 1
+    ):
+        raise ExoSplitError(
+            "the vllm backend runs one worker in the node's process: tensor and pipeline "
+            "parallelism are not supported yet (docs/vllm.md)"
+        )
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "enable_prefix_caching": True,
+        "max_num_batched_tokens": DEFAULT_BUDGET,
+        "max_logprobs": -1,
+        "logprobs_mode": "raw_logits",
+        "kv_transfer_config": KVTransferConfig(
+            kv_connector="ExoSplitConnector",
+            kv_connector_module_path="exo_split.backends.vllm_connector",
+            kv_role="kv_producer",
+        ),
+    }
+    if device == "cpu":
+        args["enforce_eager"] = True
+    return {**args, **extra}
+
+
+def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None = None):
+    # vLLM's engine core and worker in this process: the connector reaches our jobs.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
+
+    if vllm.__version__ not in SUPPORTED:
+        log.warning("vLLM %s: exo-split's connector was checked with %s only",
+                    vllm.__version__, ", ".join(SUPPORTED))  # fmt: skip
+    from vllm import LLM
+
+    model_dir = Path(model_dir)
+    spec = load_spec(model_dir)
+    dtype = dtype or "float32"
+    from vllm.platforms import current_platform
+
+    dev = device or current_platform.device_type
+    if dev not in ("cpu", "cuda") and not dev.startswith("cuda"):
+        raise ExoSplitError(f"the vllm backend runs on cpu or cuda, not {dev!r}")
+    args = engine_args(model_dir, dtype, dev)
+    try:
+        llm = LLM(**args)
+    except (ValueError, RuntimeError, OSError, NotImplementedError) as exc:
+        raise BadCheckpoint(f"vLLM cannot load {model_dir}: {exc}") from exc
+    config = llm.llm_engine.vllm_config
+    budget = config.scheduler_config.max_num_batched_tokens
+    quant = getattr(config.model_config, "quantization", None)
+    log.info("vllm backend: %s on %s in %s, chunks of %d", spec.name, dev, dtype, budget)
+    return VllmBackend(llm, spec, dtype, "cuda" if dev.startswith("cuda") else dev, budget, quant)

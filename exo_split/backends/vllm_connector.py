@@ -1,0 +1,139 @@
+"""The KV connector vLLM loads by module path (kv_connector_module_path): it hands each
+layer's KV of an exo-split prefill to the node's frame sender as vLLM computes it.
+
+vLLM runs in the node's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker), so its
+scheduler-side and worker-side connector instances and the backend share the job registry of
+vllm_kv.py: a request carries its job's id in SamplingParams.extra_args, the scheduler side
+maps vLLM's request id to that job and lists, per step, the request's blocks and the
+positions the step computes; the worker side, called by every attention layer after it
+wrote its KV (save_kv_layer, on the forward's own thread), hands the job the layer, which
+emits the plan's pieces that layer now holds (vllm_kv.Job). The layout is chosen from what
+vLLM reports (vllm_kv.layout_of).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from exo_split.backends.vllm_kv import JOB_KEY, layout_of, lookup
+
+_LAYER = re.compile(r"\.(\d+)\.")  # model.layers.{i}.self_attn.attn
+
+
+@dataclass
+class _Step:
+    req_id: str
+    job_id: str
+    blocks: list[int]
+    start: int  # positions [start, end) computed in this step
+    end: int
+
+
+@dataclass
+class ExoSplitMetadata(KVConnectorMetadata):
+    steps: list[_Step] = field(default_factory=list)
+
+
+class ExoSplitConnector(KVConnectorBase_V1):
+    """vLLM's view of exo-split: a producer that saves every layer of the requests that carry
+    a job (extra_args[JOB_KEY]) and loads nothing."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._requests: dict[str, tuple[str, list[int]]] = {}  # req id -> (job id, blocks)
+        self._layouts: dict[int, str] = {}
+        model = vllm_config.model_config
+        self._heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        self._head_dim = model.get_head_size()
+
+    # Scheduler side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return 0, False  # a producer: nothing to load
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return
+
+    def build_connector_meta(self, scheduler_output) -> ExoSplitMetadata:
+        meta = ExoSplitMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
+            job_id = extra.get(JOB_KEY)
+            if job_id is None:
+                continue
+            self._requests[new.req_id] = (job_id, list(new.block_ids[0]))
+            start = new.num_computed_tokens
+            meta.steps.append(_Step(new.req_id, job_id, list(new.block_ids[0]), start,
+                                    start + scheduled[new.req_id]))  # fmt: skip
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._requests:
+                continue
+            job_id, blocks = self._requests[req_id]
+            if cached.new_block_ids[i] is not None:
+                blocks += list(cached.new_block_ids[i][0])
+            start = cached.num_computed_tokens[i]
+            meta.steps.append(_Step(req_id, job_id, list(blocks), start,
+                                    start + scheduled[req_id]))  # fmt: skip
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def request_finished(self, request, block_ids):
+        self._requests.pop(request.request_id, None)
+        return False, None  # every piece was copied out during the forward
+
+    # Worker side --------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, ExoSplitMetadata) or not meta.steps:
+            return
+        match = _LAYER.search(layer_name)
+        if match is None:
+            return
+        layer = int(match.group(1))
+        for step in meta.steps:
+            job = lookup(step.job_id)
+            if job is None:
+                continue
+            if not job.layout:
+                try:
+                    job.layout = self._layout(layer, layer_name, kv_layer)
+                except ValueError as exc:
+                    job.error = exc
+                    continue
+            job.layer_saved(layer, kv_layer, step.blocks, step.start, step.end,
+                            self._block_size)  # fmt: skip
+
+    def _layout(self, layer: int, layer_name: str, kv_layer) -> str:
+        if layer not in self._layouts:
+            from vllm.forward_context import get_forward_context
+
+            attn = get_forward_context().no_compile_layers.get(layer_name)
+            impl = getattr(attn, "attn_backend", None)
+            name = impl.get_name() if impl is not None else type(attn).__name__
+            self._layouts[layer] = layout_of(name, getattr(attn, "isa", None),
+                                             tuple(kv_layer.shape), self._heads,
+                                             self._head_dim,
+                                             str(kv_layer.dtype).removeprefix("torch."))  # fmt: skip
+        return self._layouts[layer]
+
+    def wait_for_save(self) -> None:
+        return  # every piece was gathered in save_kv_layer

