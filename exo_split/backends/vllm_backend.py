@@ -33,6 +33,12 @@ from typing import Any
 
 import numpy as np
 
+# vLLM's engine core and worker in this process, so the connector reaches our jobs; set
+# before vLLM is imported (it reads it then). Importing this module imports vLLM: where it is
+# not installed, load_backend says so.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm  # noqa: E402
+
 from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, chunk_sizes
@@ -120,6 +126,8 @@ class VllmBackend:
             conn.unregister(job_id)
         if isinstance(job.error, conn.Cancelled) or (finished is None and stop()):
             raise Cancelled("prefill cancelled")
+        if isinstance(job.error, ValueError):  # a layout or dtype the connector does not read
+            raise ExoSplitError(str(job.error)) from job.error
         if job.error is not None:
             raise job.error
         if not job.done:
@@ -224,10 +232,6 @@ def engine_args(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
 
 
 def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None = None):
-    # vLLM's engine core and worker in this process: the connector reaches our jobs.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    import vllm
-
     if vllm.__version__ not in SUPPORTED:
         log.warning("vLLM %s: exo-split's connector was checked with %s only",
                     vllm.__version__, ", ".join(SUPPORTED))  # fmt: skip

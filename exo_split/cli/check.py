@@ -9,6 +9,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from exo_split.backends import BACKENDS
 from exo_split.cli.common import PROG, add_model_options, error_lines, positive_int, say
 from exo_split.errors import IncompatiblePeer
 from exo_split.fidelity import CheckReport, run_check
@@ -31,6 +32,12 @@ def add_check(subparsers) -> None:
         help="load the decode side from another directory (the two machines' copies); an "
         "mlx_lm.convert 4/8-bit copy of --model is checked against mlx-lm running it alone",
     )
+    p.add_argument(
+        "--prefill-backend",
+        choices=BACKENDS,
+        help="check only this prefill side (e.g. vllm, which only prefills) against every "
+        "installed decode backend",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=16, metavar="N", help="default 16")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_check)
@@ -44,6 +51,7 @@ def cmd_check(args) -> int:
             dtype=args.dtype,
             max_tokens=args.max_tokens,
             progress=say,
+            prefill_backend=args.prefill_backend,
         )
     except IncompatiblePeer as exc:
         print(error_lines(exc, prefix=f"{PROG}: check failed"), file=sys.stderr)
