@@ -211,9 +211,55 @@ def test_two_nodes_of_a_new_family_match_transformers(arch, checkpoint, tmp_path
             assert report["kv_bytes"] == sent * per_position
             if arch == "gemma3_text" and n == 1000:  # 2 full layers, 2 of the window's 63
                 assert sent == 2 * 1000 + 2 * (WINDOW - 1)
+        if arch == "gemma3_text":  # the ledger reserved what the received cache keeps
+            keep = spec.window_keep
+            held = sum(1010 - (max(0, 1000 - k) if k else 0) for k in keep) * per_position
+            assert _stats(m)["kv_bytes_peak"] == held  # the largest request: n = 1,000
+            assert held < spec.n_layers * 1010 * per_position
+            # a local prefill keeps every position of its sliding layers: it takes the rest
+            ids = prompt_ids(1000, seed=5)
+            body = {"token_ids": ids, "max_tokens": 10, "prefill": "local"}
+            assert generate_sync(m.url, body)["tokens"] == reference_generate(ckpt, ids, 10)
+            after = _stats(m)
+            assert after["kv_bytes_peak"] == spec.n_layers * 1010 * per_position
+            assert after["kv_bytes_held"] == 0
+            _a_window_fits_where_the_whole_prompt_does_not(ckpt, t, held, tmp_path)
     finally:
         t.stop()
         m.stop()
+
+
+def _a_window_fits_where_the_whole_prompt_does_not(ckpt, prefill, held, tmp_path) -> None:
+    """A decode node with room for the windowed cache only: the handoff is admitted and
+    runs; the same prompt prefilled locally is refused in-band (busy), nothing held after."""
+    import asyncio
+
+    from nodes import NodeProcess, generate, generate_sync
+    from reference import prompt_ids, reference_generate
+
+    small = NodeProcess(ckpt, "mlx", tmp_path, "--max-kv-bytes", str(held + 4096)).wait_ready()
+    try:
+        ids = prompt_ids(1000, seed=6)
+        remote = {"token_ids": ids, "max_tokens": 10, "prefill_peer": prefill.addr,
+                  "fallback": "none"}  # fmt: skip
+        assert generate_sync(small.url, remote)["tokens"] == reference_generate(ckpt, ids, 10)
+        local = {"token_ids": ids, "max_tokens": 10, "prefill": "local"}
+        last = asyncio.run(generate(small.url, local))[-1]
+        assert last["type"] == "error" and last["code"] == "Refused", last
+        assert "keeps every position in the sliding layers" in last["message"]
+        assert _stats(small)["kv_bytes_held"] == 0
+    finally:
+        small.stop()
+
+
+def _stats(node) -> dict:
+    import asyncio
+
+    from nodes import request
+
+    status, raw, _ = asyncio.run(request("GET", f"{node.url}/v1/info"))
+    assert status == 200
+    return json.loads(raw)["stats"]
 
 
 def test_gemmas_embedding_scale_is_transformers_in_every_dtype(checkpoint, monkeypatch):

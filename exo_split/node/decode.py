@@ -51,7 +51,7 @@ from exo_split.spec import ModelSpec, check_request, check_token_ids
 from exo_split.tokenizer import TextCodec, TextStream
 from exo_split.transport import wire
 from exo_split.transport.client import Timeouts
-from exo_split.transport.limits import decode_kv_bytes
+from exo_split.transport.limits import KVLedger, Refused, decode_kv_bytes
 from exo_split.transport.messages import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,12 @@ class Coordinator(RemotePull):
         self._turn: tuple | None = None  # (event loop, the lock local prefills take turns by)
         batcher = backend.batcher() if hasattr(backend, "batcher") else None
         self.batch = BatchDriver(executor, batcher) if batcher is not None else None
+        self.ledger: KVLedger | None = None  # the node's (count_in)
 
     def count_in(self, ledger) -> None:
-        """Count the decode batch's padding and copies in the node's KV ledger."""
+        """Count the decode batch's padding and copies, and a local prefill's sliding layers,
+        in the node's KV ledger."""
+        self.ledger = ledger
         if self.batch is not None:
             b = self.batch.batcher
             b.take, b.give, b.force = ledger.take, ledger.give, ledger.force
@@ -108,13 +111,30 @@ class Coordinator(RemotePull):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
-    def kv_need(self, prompt_len: int, max_tokens: int) -> int:
+    def kv_need(self, prompt_len: int, max_tokens: int, *, local: bool = False) -> int:
         """The KV bytes a request holds at most (the ledger's reservation): the cache at
-        full capacity, plus staged frames when the backend cannot be received into."""
+        full capacity, plus staged frames when the backend cannot be received into. A
+        received cache keeps only the window of a sliding layer (backend.window_keep); a
+        local prefill (`local`) keeps every position, and takes the difference when it runs
+        (`_hold_local`)."""
         direct = hasattr(self.backend, "receive_views")
         staging = 0 if direct else STAGED_FRAMES * self.max_frame_bytes
+        keep = () if local else getattr(self.backend, "window_keep", ())
         return decode_kv_bytes(self.spec, self.backend.dtype, prompt_len, max_tokens,
-                               staging=staging)  # fmt: skip
+                               staging=staging, keep=keep)  # fmt: skip
+
+    def _hold_local(self, prompt_len: int, max_tokens: int, copies: int, held: list) -> None:
+        """A local prefill of a model with sliding layers keeps the whole prompt in them:
+        reserve what that adds to the request's (windowed) reservation, or refuse (503)."""
+        extra = copies * (self.kv_need(prompt_len, max_tokens, local=True)
+                          - self.kv_need(prompt_len, max_tokens))  # fmt: skip
+        if extra <= 0 or self.ledger is None:
+            return
+        if not self.ledger.take(extra):
+            raise Refused(503, "busy", f"a local prefill of {prompt_len} tokens keeps every "
+                          f"position in the sliding layers: {extra / 2**20:.1f} MiB more KV "
+                          "than this node has free", retry_after=self.ledger.retry_after_s)  # fmt: skip
+        held[0] += extra
 
     @contextlib.contextmanager
     def reusing(self, req: GenerateRequest, ids: list[int]) -> Iterator[Checkout | None]:
@@ -206,15 +226,19 @@ class Coordinator(RemotePull):
             sampling = dataclasses.replace(req.sampling, seed=req.sampling.seed + i)
             req_i = dataclasses.replace(req, sampling=sampling, prefix_cache=False)
             choices.append(self._choice(req_i, emit_i, None, until_i, constraint_i))
+        local_kv = [0]  # what a local prefill added to the request's reservation
         try:
             ids = ids if ids is not None else await self.tokenize_off_loop(req)
-            return await self._generate(req, ids, choices, arrived, stop, checkout)
+            return await self._generate(req, ids, choices, arrived, stop, checkout, local_kv)
         except BaseException as exc:
             forget_frames(exc)  # the request's KV must not outlive it in a traceback
             if isinstance(exc, asyncio.CancelledError):
                 stop.set()
                 await wait_through_cancel(asyncio.ensure_future(self._run(_nothing)))
             raise
+        finally:
+            if local_kv[0] and self.ledger is not None:
+                self.ledger.give(local_kv[0])
 
     def _choice(self, req, emit, emit_many, until, constraint) -> Choice:
         lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
@@ -228,6 +252,7 @@ class Coordinator(RemotePull):
         arrived: float,
         stop: threading.Event,
         checkout: Checkout | None,
+        local_kv: list,
     ) -> dict:
         main, emit = choices[0], choices[0].emit
         for c in choices:
@@ -279,6 +304,7 @@ class Coordinator(RemotePull):
                 await emit({"type": "fallback", "reason": str(exc)})
         local_start = clock()
         if cache is None:
+            self._hold_local(len(ids), req.max_tokens, len(choices), local_kv)
             done = None
             # In slices (`_slice`), each a job of its own: the compute thread
             # runs other requests' decode slices between them (node/tokens.py).

@@ -11,12 +11,12 @@ import collections
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from exo_split.errors import ExoSplitError
-from exo_split.kv import itemsize
+from exo_split.kv import itemsize, window_floor
 from exo_split.spec import ModelSpec
 from exo_split.transport.messages import PrefillRequest
 from exo_split.transport.wire import DEFAULT_MAX_FRAME_BYTES
@@ -155,12 +155,18 @@ def prefill_kv_bytes(
 
 
 def decode_kv_bytes(
-    spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int, *, staging: int = 0
-) -> int:
+    spec: ModelSpec, dtype: str, prompt_len: int, max_tokens: int, *, staging: int = 0,
+    keep: Sequence[int | None] = (),
+) -> int:  # fmt: skip
     """What a generate holds at most: the cache at full capacity (received KV lands in it),
     plus `staging`: received frames waiting to be copied in, for a backend that cannot hand
-    out its cache's memory (0 when frames land in the cache itself)."""
-    return kv_bytes(spec, prompt_len + max_tokens, dtype) + staging
+    out its cache's memory (0 when frames land in the cache itself). `keep`: per layer, the
+    prompt's last positions a received cache keeps (the backend's window_keep; empty: all),
+    so a sliding layer holds its window and the reply, not the whole prompt."""
+    capacity = prompt_len + max_tokens
+    positions = sum(capacity - window_floor(keep, layer, prompt_len)
+                    for layer in range(spec.n_layers))  # fmt: skip
+    return kv_bytes(spec, positions, dtype, layers=1) + staging
 
 
 class Guard:
