@@ -142,6 +142,9 @@ class UntouchableBackend(Untouchable):
     def memory(self) -> None:  # an authorized /v1/info reads the allocator's account
         return None
 
+    def describe(self) -> None:  # and an engine's own counts (vllm)
+        return None
+
 
 def untouchable_state() -> NodeState:
     from exo_split.spec import ModelSpec
