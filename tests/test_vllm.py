@@ -211,6 +211,7 @@ def test_the_connector_contract_of_this_vllm(vllm_python, tiny, tmp_path):
     assert got["logit_err"] < 1e-4, got
     assert got["hit_k_err"] < 1e-4, got
     assert got["hit_hooks_are_the_tail"], got
+    assert got["ring_ok"] and got["staged_err"] < 1e-4, got  # the GPU's path, on the CPU
     assert got["hit_cached"] >= 256, got
     print(json.dumps(got))
 

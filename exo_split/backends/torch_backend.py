@@ -24,20 +24,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled, serial_decode
+from exo_split.backends.staged import StagedBackend
 from exo_split.backends.torch_staging import (
     DEFAULT_RUN_AHEAD,
     DEFAULT_SLOT_TIMEOUT_S,
-    DEFAULT_STAGING_BYTES,
-    DEFAULT_STAGING_SLOTS,
     CpuOps,
     CudaOps,
     Mark,
     PreallocatedCache,
-    Stager,
-    StagingRing,
 )
 from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.kv import LayerKV, itemsize
+from exo_split.kv import LayerKV
 from exo_split.spec import ModelSpec, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -58,7 +55,7 @@ def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-class TorchBackend:
+class TorchBackend(StagedBackend):
     name = "torch"
     quantization = None  # full-precision checkpoints only
     decode = serial_decode  # one step at a time: the prefill side's backend rarely decodes
@@ -78,68 +75,10 @@ class TorchBackend:
         self.slot_timeout = DEFAULT_SLOT_TIMEOUT_S
         self.set_staging()
 
-    def set_staging(
-        self,
-        budget_bytes: int = DEFAULT_STAGING_BYTES,
-        slots: int = DEFAULT_STAGING_SLOTS,
-        *,
-        copy: bool | None = None,
-    ) -> StagingRing:
-        """Allocate the node's staging ring now: `slots` host buffers sharing `budget_bytes`
-        (pinned on CUDA), reused by every request. Call it between requests only (at start-up:
-        pinning memory synchronizes the device). On the CPU, pieces are views of the cache and
-        need no ring unless `copy=True` (the GPU's path with plain memory, as the tests run)."""
-        if self.torch_device.type != "cuda":
-            self.ops = CpuOps(copy=bool(copy))
-        elif copy is False:
-            raise ValueError("on CUDA every piece is copied to host memory: copy=False is not possible")  # fmt: skip
-        slot_bytes = budget_bytes // max(1, slots)
-        if self.ops.copy and slots < 2:
-            raise ExoSplitError(
-                f"a staging ring of {slots} slot cannot overlap copying with sending: it needs "
-                "at least 2 (a frame may straddle two slots)",
-                hint="use the default of 4 slots",
-            )
-        if self.ops.copy:
-            per_token = self._bytes_per_token()
-            if slot_bytes < per_token:
-                raise ExoSplitError(
-                    f"a staging slot of {slot_bytes:,} bytes ({budget_bytes:,} / {slots}) holds "
-                    f"no position: one takes {per_token:,} bytes of K and V",
-                    hint="raise the staging budget",
-                )
-            self.ring = StagingRing(slots, slot_bytes, self.ops.alloc)
-        else:
-            self.ring = StagingRing(None, slot_bytes, None)
-        return self.ring
-
-    def _bytes_per_token(self) -> int:
-        return 2 * self.spec.n_kv_heads * self.spec.head_dim * itemsize(self.dtype)
-
-    def frame_positions_limit(self) -> int | None:
-        """The most positions one wire frame may hold so that the ring can always fill it:
-        a frame waits for every part of it, each part holds a slot, so a frame larger than
-        the ring's slots would wait for a slot its own parts hold (until the slot timeout,
-        issue 18 M2). (slots - 1) slots' worth spans at most every slot, even when it does
-        not start on a slot's first position (a window's floor). None: no ring bound."""
-        per_slot = self._piece_tokens()
-        if per_slot is None:
-            return None
-        return (self.ring.n_slots - 1) * per_slot
-
-    def _piece_tokens(self) -> int | None:
-        """The most positions one piece holds: one ring slot's worth (None: no slots)."""
-        return self.ring.slot_bytes // self._bytes_per_token() if self.ring.bounded else None
-
     def _run(self, ids: torch.Tensor, cache) -> torch.Tensor:
         kwargs = {self._cache_kwarg: cache}
         out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[0, -1]
-
-    def _stager(self, clock, on_layer: OnLayer, should_stop) -> Stager:
-        return Stager(self.ring, self.ops, clock, on_layer, self.dtype,
-                      piece_tokens=self._piece_tokens(), should_stop=should_stop,
-                      slot_timeout=self.slot_timeout)  # fmt: skip
 
     @torch.inference_mode()
     def prefill(

@@ -369,6 +369,7 @@ class _Job:
     keys: torch.Tensor  # the layer's buffers when the job was made (a later growth copies them)
     values: torch.Tensor
     computed_at: float | None  # None: the event's time
+    base: int = 0  # the position the buffers' first row holds (vLLM's gathered pieces)
 
 
 class Stager:
@@ -393,10 +394,11 @@ class Stager:
             self._thread = threading.Thread(target=self._run, name="kv-stager", daemon=True)
             self._thread.start()
 
-    def put(self, layer: int, start: int, n: int, event, buffers, computed_at=None) -> None:
+    def put(self, layer: int, start: int, n: int, event, buffers, computed_at=None,
+            base: int = 0) -> None:  # fmt: skip
         if self.error is not None:
             raise self.error
-        job = _Job(layer, start, n, event, *buffers, computed_at)
+        job = _Job(layer, start, n, event, *buffers, computed_at, base)
         if self._thread is not None:
             self._jobs.put(job)
         else:
@@ -445,8 +447,9 @@ class Stager:
             slot = self.ring.acquire(self._stopped, self.slot_timeout)
             try:
                 buf = self.ring.slots[slot] if slot is not None else None
+                a, b = s - job.base, e - job.base
                 owners, k, v = self.ops.stage(
-                    buf, job.keys[0, :, s:e], job.values[0, :, s:e], job.event, self.dtype
+                    buf, job.keys[0, :, a:b], job.values[0, :, a:b], job.event, self.dtype
                 )
             except BaseException:
                 self.ring.release(slot)

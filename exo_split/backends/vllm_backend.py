@@ -40,6 +40,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm  # noqa: E402
 
 from exo_split.backends.base import Cancelled, Prefilled
+from exo_split.backends.staged import StagedBackend
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, chunk_sizes
 from exo_split.spec import load_spec
@@ -52,15 +53,28 @@ SUPPORTED = ("0.32.0",)  # the vLLM releases whose connector contract tests pass
 _OURS = ("model", "dtype", "kv_transfer_config", "max_logprobs", "logprobs_mode")
 
 
-class VllmBackend:
+class VllmBackend(StagedBackend):
     name = "vllm"
     prefill_only = True  # no decode loop: the decode node decodes
     own_prefix_cache = True  # vLLM's automatic prefix caching
+    stages_in_background = True  # prefill(background=True): the ring drains after it
     window_keep: tuple[int | None, ...] = ()
 
     def __init__(self, llm, spec, dtype: str, device: str, budget: int, quantization: str | None):
+        import torch
+
+        from exo_split.backends.torch_staging import DEFAULT_SLOT_TIMEOUT_S, CpuOps, CudaOps
+
         self.llm, self.engine = llm, llm.llm_engine
         self.spec, self.dtype, self.device, self.budget = spec, dtype, device, budget
+        # Pieces gathered on the GPU reach host memory through the node's pinned staging ring
+        # on a side stream, after an event (staged.py, as the torch backend's); on the CPU
+        # they are gathered to host memory on the forward's thread, unless set_staging(copy=
+        # True) puts them through a ring too (the GPU's path, as the tests run it).
+        self.torch_device = torch.device(device if device != "cuda" else "cuda:0")
+        self.ops = CudaOps(self.torch_device) if device == "cuda" else CpuOps()
+        self.slot_timeout = DEFAULT_SLOT_TIMEOUT_S
+        self.set_staging()
         self.quantization = None  # an MLX-quantization record (spec.Quantization): none here
         self.engine_quantization = quantization  # vLLM's method (fp8, awq, ...) or None
         self.counts = {"prefills": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
@@ -78,10 +92,13 @@ class VllmBackend:
         capacity: int | None = None,
         cache: Any = None,
         emit_from: int = 0,
+        background: bool = False,
     ) -> Prefilled:
         """Run the prompt through vLLM; hand on positions [emit_from, n) of every layer as
         the plan's pieces (chunk-major, then layer), or keep them (on_layer None) for
-        stream_kv / export. `chunk` and `capacity` do not apply (vLLM's own budget, blocks)."""
+        stream_kv / export. `chunk` and `capacity` do not apply (vLLM's own budget, blocks).
+        `background`: pieces still in the staging ring when the forward ends are staged
+        after it returns (Prefilled.staging), as the torch backend's."""
         from vllm import SamplingParams
 
         from exo_split.backends import vllm_kv as conn
@@ -103,7 +120,15 @@ class VllmBackend:
                     pieces += [(layer, lo, at + size - lo) for layer in layers]
                 at += size
         stop = should_stop or (lambda: False)
-        job = conn.Job(pieces, on_layer or kept.append, self.dtype, stop)
+        stager = stage = None
+        if on_layer is not None and self.ring.bounded:
+            clock_ = self.ops.begin()
+            stager = self._stager(clock_, on_layer, stop)
+
+            def stage(layer: int, at: int, k, v) -> None:  # the forward's thread
+                stager.put(layer, at, k.shape[1], clock_.record(), (k[None], v[None]), base=at)
+
+        job = conn.Job(pieces, on_layer or kept.append, self.dtype, stop, stage=stage)
         job_id = f"exo-split-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, flat_logprobs=True,
                                 detokenize=False, extra_args={conn.JOB_KEY: job_id})  # fmt: skip
@@ -124,6 +149,8 @@ class VllmBackend:
             if finished is None:
                 self.engine.abort_request([job_id])
             conn.unregister(job_id)
+            if stager is not None and (finished is None or job.error is not None):
+                stager.abort()
         if isinstance(job.error, conn.Cancelled) or (finished is None and stop()):
             raise Cancelled("prefill cancelled")
         if isinstance(job.error, ValueError):  # a layout or dtype the connector does not read
@@ -131,6 +158,8 @@ class VllmBackend:
         if job.error is not None:
             raise job.error
         if not job.done:
+            if stager is not None:
+                stager.abort()
             raise ExoSplitError(
                 f"vLLM finished the prefill with {len(pieces) - job.next_piece} of "
                 f"{len(pieces)} pieces not handed on: its hooks did not run for every layer "
@@ -139,7 +168,14 @@ class VllmBackend:
         self.counts["prefills"] += 1
         self.counts["prompt_tokens"] += n
         self.counts["prefix_hit_tokens"] += int(finished.num_cached_tokens or 0)
-        return Prefilled(cache=kept or None, logits=self._logits(finished), computed_at=computed_at)
+        staging = None
+        if stager is not None:
+            if background and stager.threaded:
+                staging = stager  # stream_prefill finishes it off the compute thread
+            else:
+                stager.finish()
+        return Prefilled(cache=kept or None, logits=self._logits(finished),
+                         computed_at=computed_at, staging=staging)  # fmt: skip
 
     def describe(self) -> dict:
         """GET /v1/info's stats.engine: vLLM's version, budget, quantization and counts

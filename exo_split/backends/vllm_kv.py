@@ -44,6 +44,10 @@ class Job:
     dtype: str  # the pieces' storage dtype (kv.py): the decode node's
     should_stop: Callable[[], bool] = lambda: False
     layout: str = ""
+    # (layer, start, k, v) of a gathered piece still on the device ([heads, n, dim]): the
+    # backend's staging ring copies it to host memory off the forward (CUDA); None: gathered
+    # to host memory here and handed to on_piece.
+    stage: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None
     error: BaseException | None = None
     next_piece: int = 0
     # Per layer: positions [0, ready) are in the paged cache; the layer's tensor; the blocks.
@@ -77,9 +81,12 @@ class Job:
             if self.ready.get(layer, 0) < start + n:
                 return
             k, v = gather(self.tensors[layer], self.layout, self.blocks, self.block_size,
-                          start, start + n)  # fmt: skip
-            self.on_piece(LayerKV(layer, start, _stored(k, self.dtype), _stored(v, self.dtype),
-                                  self.dtype))  # fmt: skip
+                          start, start + n, host=self.stage is None)  # fmt: skip
+            if self.stage is not None:
+                self.stage(layer, start, k, v)
+            else:
+                self.on_piece(LayerKV(layer, start, _stored(k, self.dtype),
+                                      _stored(v, self.dtype), self.dtype))  # fmt: skip
             self.next_piece += 1
 
 
@@ -132,9 +139,10 @@ def layout_of(backend_name: str, isa: str | None, shape: tuple[int, ...], n_kv_h
 
 
 def gather(tensor: torch.Tensor, layout: str, blocks: list[int], block_size: int, a: int,
-           b: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """K and V of positions [a, b) as float32-or-native numpy [kv_heads, b - a, head_dim], copied
-    out of the paged cache (the blocks holding them only)."""
+           b: int, *, host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V of positions [a, b) as [kv_heads, b - a, head_dim] tensors in the cache's dtype,
+    copied out of the paged cache (the blocks holding them only): on the host, or (`host`
+    False) still on the cache's device, contiguous, queued on the current stream."""
     first, last = a // block_size, (b - 1) // block_size + 1
     ids = torch.tensor(blocks[first:last], dtype=torch.long, device=tensor.device)
     off = a - first * block_size
@@ -156,7 +164,8 @@ def gather(tensor: torch.Tensor, layout: str, blocks: list[int], block_size: int
     out = []
     for x in (k, v):
         x = x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, off : off + b - a]
-        out.append(x.contiguous().cpu())  # on CUDA: after this layer's kernels (same stream)
+        x = x.contiguous()  # queued after this layer's kernels (the same stream)
+        out.append(x.cpu() if host else x)
     return out[0], out[1]
 
 
