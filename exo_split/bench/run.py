@@ -85,6 +85,13 @@ def _floats(text: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, 2 short prompts")
     p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="the vllm prefill node beside the torch one, same decode node and prompts, on "
+        "loopback (needs .venv-vllm: make install-vllm; lengths default 1000,3000)",
+    )
+    p.add_argument("--vllm-budget", type=int, default=2048, help="vLLM's max_num_batched_tokens")
+    p.add_argument(
         "--multiturn",
         action="store_true",
         help="instead: a 5-turn conversation on loopback, each turn with and without prefix "

@@ -1,5 +1,6 @@
 """`exo-split bench`: the overlap benchmark between two network namespaces (root, Linux);
-`--multiturn`: prefix reuse over a conversation, on loopback (bench/multiturn.py)."""
+`--multiturn`: prefix reuse over a conversation, on loopback (bench/multiturn.py); `--vllm`:
+the vllm prefill node beside the torch one (bench/vllm.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def add_bench(subparsers) -> None:
 
 
 def cmd_bench(args) -> int:
+    if args.vllm:
+        from exo_split.bench import vllm
+
+        return vllm.main(args)
     if args.multiturn:
         from exo_split.bench import multiturn
 

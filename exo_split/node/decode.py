@@ -383,9 +383,11 @@ class Coordinator(RemotePull):
                                   shared.arrived, shared.local, c.times, req)  # fmt: skip
         k = remote.hello.get("prefill_cached_tokens", 0) if remote and remote.hello else 0
         prefix = prefix_report(m, k, len(ids) - (m if fallback or remote is None else k))
+        engine = remote.hello.get("engine") if remote and remote.hello and not fallback else None
         timeline = dataclasses.replace(
-            timeline, decode=decode_info(self.backend, stats, stopped_by), prefix=prefix
-        )
+            timeline, decode=decode_info(self.backend, stats, stopped_by), prefix=prefix,
+            prefill=engine if isinstance(engine, dict) else None,
+        )  # fmt: skip
         report = to_json(build_report(timeline))
         text = self.codec.detokenize(tokens)
         return {

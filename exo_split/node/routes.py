@@ -143,7 +143,10 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             "fingerprint": state.spec.fingerprint,
             "request_id": req.request_id,
             "prefill_received": received,
-        }
+            "engine": {"backend": state.backend.name, "device": state.backend.device,
+                       "dtype": state.backend.dtype,
+                       "quantization": getattr(state.backend, "engine_quantization", None)},
+        }  # fmt: skip
         progress = Progress()
         state.count("prefills")
         try:

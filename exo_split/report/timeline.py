@@ -71,6 +71,9 @@ class Timeline:
     decode: dict | None = None
     # Prefix reuse: decode_cached_tokens, prefill_cached_tokens, computed_tokens (or None).
     prefix: dict | None = None
+    # The prefill node's engine as its HELLO says: backend ("torch", "vllm"), device, dtype,
+    # quantization (vLLM's method: "fp8", "awq", ...; None: full precision). None: local.
+    prefill: dict | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
