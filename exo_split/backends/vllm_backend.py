@@ -67,6 +67,7 @@ class VllmBackend(StagedBackend):
 
         self.llm, self.engine = llm, llm.llm_engine
         self.spec, self.dtype, self.device, self.budget = spec, dtype, device, budget
+        self.max_len = llm.llm_engine.vllm_config.model_config.max_model_len
         # Pieces gathered on the GPU reach host memory through the node's pinned staging ring
         # on a side stream, after an event (staged.py, as the torch backend's); on the CPU
         # they are gathered to host memory on the forward's thread, unless set_staging(copy=
@@ -78,6 +79,11 @@ class VllmBackend(StagedBackend):
         self.quantization = None  # an MLX-quantization record (spec.Quantization): none here
         self.engine_quantization = quantization  # vLLM's method (fp8, awq, ...) or None
         self.counts = {"prefills": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
+
+    @property
+    def quantization_tag(self) -> str | None:
+        """The node's advertised quantization: vLLM's method ("vllm:fp8"); None: full."""
+        return f"vllm:{self.engine_quantization}" if self.engine_quantization else None
 
     def prefill_chunks(self, n_tokens: int, chunk: int | None) -> tuple[int, ...]:
         return chunk_sizes(n_tokens, self.budget)
@@ -135,7 +141,10 @@ class VllmBackend(StagedBackend):
         conn.register(job_id, job)
         finished = None
         try:
-            self.engine.add_request(job_id, {"prompt_token_ids": list(token_ids)}, params)
+            try:
+                self.engine.add_request(job_id, {"prompt_token_ids": list(token_ids)}, params)
+            except ValueError as exc:  # vLLM's validation: longer than its max_model_len, ...
+                raise ExoSplitError(f"vLLM refused the prompt of {n} tokens: {exc}") from exc
             while finished is None:
                 for out in self.engine.step():
                     if out.request_id == job_id and out.finished:
@@ -208,7 +217,7 @@ class VllmBackend(StagedBackend):
     def warm(self) -> float:
         """One prefill of a budget's length: vLLM's first request pays for its kernels."""
         t0 = clock()
-        n = min(self.budget, max(1, self.spec.max_position_embeddings - 1), 256)
+        n = min(self.budget, max(1, self.max_len - 1), 256)
         ids = [3 % self.spec.vocab_size] * n
         self.prefill(ids, on_layer=lambda kv: None)
         return clock() - t0

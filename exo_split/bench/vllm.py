@@ -76,14 +76,12 @@ def one(decode_url: str, peer: str, ids: list[int]) -> dict:
 
 
 def main(args) -> int:
-    """`exo-split bench --vllm`: args.model (None: smollm2), args.lengths (None: 1000, 3000),
-    args.repeats (None: 3), args.vllm_budget."""
-    from exo_split.cli.common import model_dir
-
+    """`exo-split bench --vllm`: args.model (a checkpoint directory), args.lengths (None: 1000,
+    3000), args.repeats (None: 3), args.vllm_budget."""
     vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
     if not vllm_python.exists():
         raise SystemExit("no .venv-vllm: run `make install-vllm` first")
-    model = Path(model_dir(str(args.model or "smollm2")))
+    model = Path(args.model)
     config = json.loads((model / "config.json").read_text())
     vocab = config["vocab_size"]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -96,7 +94,7 @@ def main(args) -> int:
             start(model, "vllm", str(vllm_python), work,
                   "--engine-arg", f"max_num_batched_tokens={budget}",
                   "--engine-arg", "kv_cache_memory_bytes=1073741824",
-                  "--engine-arg", f"max_model_len={max(lengths) + 64}"),
+                  "--engine-arg", f"max_model_len={max(max(lengths) + 64, 512)}"),
             start(model, "mlx", sys.executable, work),
         ]  # fmt: skip
         try:

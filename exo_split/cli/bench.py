@@ -23,7 +23,9 @@ def add_bench(subparsers) -> None:
 def cmd_bench(args) -> int:
     if args.vllm:
         from exo_split.bench import vllm
+        from exo_split.cli.common import model_dir
 
+        args.model = model_dir(str(args.model or "smollm2"))  # the embedded SmolLM2 by default
         return vllm.main(args)
     if args.multiturn:
         from exo_split.bench import multiturn

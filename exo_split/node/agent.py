@@ -95,12 +95,6 @@ def name_thread(name: str) -> None:
             ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
-def _engine_quant(backend) -> str | None:
-    """A vLLM node's quantized weights as a tag ("vllm:fp8"); None: full precision."""
-    method = getattr(backend, "engine_quantization", None)
-    return f"{backend.name}:{method}" if method else None
-
-
 class Node:
     def __init__(self, config: NodeConfig, *, progress: Callable[[str], None] = print):
         self.config = config
@@ -195,7 +189,7 @@ class Node:
             decode_tps=self.speeds.decode_tps if self.speeds else None,
             quantization=self.quantization.tag
             if self.quantization is not None
-            else _engine_quant(self.backend),
+            else getattr(self.backend, "quantization_tag", None),  # vllm: "vllm:fp8"
             # vLLM prefills only: the decode node decodes (backends/vllm_backend.py)
             roles=("prefill",) if getattr(self.backend, "prefill_only", False) else ROLES,
         )
