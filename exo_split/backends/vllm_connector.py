@@ -80,8 +80,11 @@ class ExoSplitConnector(KVConnectorBase_V1):
             if req_id not in self._requests:
                 continue
             job_id, blocks = self._requests[req_id]
-            if cached.new_block_ids[i] is not None:
-                blocks += list(cached.new_block_ids[i][0])
+            new = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted, then resumed: its blocks anew
+                blocks[:] = list(new[0]) if new is not None else []
+            elif new is not None:
+                blocks += list(new[0])
             start = cached.num_computed_tokens[i]
             meta.steps.append(_Step(req_id, job_id, list(blocks), start,
                                     start + scheduled[req_id]))  # fmt: skip
