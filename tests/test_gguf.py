@@ -32,6 +32,7 @@ from transformers import (
     LlamaConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from exo_split.errors import BadCheckpoint, ExoSplitError
@@ -269,6 +270,16 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
     # head_dim 128 != hidden / heads (transformers' GGUF reader assumes Qwen3's default 128).
+    # llama.cpp's qwen3moe: every layer experts, top-k renormalized. The experts' size is
+    # transformers' default (768, Qwen3-30B-A3B's): its GGUF reader ignores
+    # expert_feed_forward_length and would build the reference with 768 whatever the file says.
+    "qwen3_moe": lambda v: Qwen3MoeConfig(
+        vocab_size=v, hidden_size=64, intermediate_size=128, moe_intermediate_size=768,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "qwen3": lambda v: Qwen3Config(
         vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=128,
@@ -295,6 +306,9 @@ _NAMES = {  # transformers -> llama.cpp tensor names (written out here, independ
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.gate_up_proj": "GATE_UP",  # split in two (gguf_from_model)
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 
 
@@ -424,6 +438,11 @@ def gguf_from_model(path, model, arch, vocab, qtype=Q.F32):
             gname = f"blk.{layer}.{_NAMES[rest]}"
         else:
             gname = _NAMES[name]
+        if rest_is_gate_up(name):  # transformers' fused experts: llama.cpp's two tensors
+            gate, up = np.split(t, 2, axis=1)
+            tensors[gname.replace("GATE_UP", "ffn_gate_exps.weight")] = gate
+            tensors[gname.replace("GATE_UP", "ffn_up_exps.weight")] = up
+            continue
         if arch == "llama" and ".attn_q." in gname:
             t = llama_cpp_permute(t, c.num_attention_heads)
         elif arch == "llama" and ".attn_k." in gname:
@@ -431,7 +450,16 @@ def gguf_from_model(path, model, arch, vocab, qtype=Q.F32):
         tensors[gname] = t
     if c.rope_parameters.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_divisors(c.rope_parameters, head_dim)
-    return write_gguf(path, arch, cfg, tensors, vocab, qtype)
+    meta = {}
+    if arch == "qwen3moe":
+        meta = {"qwen3moe.expert_count": c.num_experts,
+                "qwen3moe.expert_used_count": c.num_experts_per_tok,
+                "qwen3moe.expert_feed_forward_length": c.moe_intermediate_size}  # fmt: skip
+    return write_gguf(path, arch, cfg, tensors, vocab, qtype, meta=meta)
+
+
+def rest_is_gate_up(name: str) -> bool:
+    return name.endswith("mlp.experts.gate_up_proj")
 
 
 CASES = {  # id: (family, GGUF arch, encoding, vocabulary)
@@ -439,6 +467,7 @@ CASES = {  # id: (family, GGUF arch, encoding, vocabulary)
     "mistral-q8_0-sentencepiece": ("mistral", "llama", Q.Q8_0, "spm"),
     "qwen2-f16-qwen2": ("qwen2", "qwen2", Q.F16, "qwen2"),
     "qwen3-q4_0-smollm": ("qwen3", "qwen3", Q.Q4_0, "smollm"),
+    "qwen3_moe-q8_0-qwen2": ("qwen3_moe", "qwen3moe", Q.Q8_0, "qwen2"),
 }
 
 
@@ -486,6 +515,17 @@ def test_tiny_logits_equal_transformers_gguf(tiny, case):
     diff = (ours - logits(ref.eval(), ids)).abs().max().item()
     print(f"\n{case}: max |logit diff| vs transformers GGUF {diff:.3g}")
     assert diff <= 1e-5
+
+
+def test_a_converted_qwen3moe_gguf_passes_the_check(tiny):
+    """The mixture-of-experts GGUF, converted, through every backend pairing: tokens and
+    float32 logits equal transformers' on the converted checkpoint (exo-split check)."""
+    from exo_split.fidelity import run_check
+
+    _, out, _ = tiny("qwen3_moe-q8_0-qwen2")
+    report = run_check(out, max_tokens=6)
+    assert report.passed, [(p.name, p.reason) for p in report.failing]
+    assert {p.name for p in report.pairings} >= {"torch->mlx", "mlx->torch"}
 
 
 @pytest.mark.parametrize("case", ["llama-f32-llama3rope-llama_bpe", "qwen2-f16-qwen2"])

@@ -126,8 +126,9 @@ def convert_gguf(
         }
 
         def on_tensor(i: int, p: PlannedTensor) -> None:
-            kind = p.source.tensor_type.name
-            line = f"{i + 1}/{len(plan)} {p.source.name} ({kind}) -> {p.name}"
+            t = p.source
+            expert = f"[{p.index}]" if p.index is not None else ""
+            line = f"{i + 1}/{len(plan)} {t.name}{expert} ({t.tensor_type.name}) -> {p.name}"
             say(ConvertProgress(line, done=i + 1, total=len(plan)))
 
         write_safetensors(
@@ -254,7 +255,7 @@ def _architecture(meta: dict[str, Any]) -> str:
             + ", ".join(ARCHITECTURES)
             + " (Mistral 7B GGUFs are 'llama')"
         )
-    if int(meta.get(f"{arch}.expert_count") or 0) > 0:
+    if arch != "qwen3moe" and int(meta.get(f"{arch}.expert_count") or 0) > 0:
         raise BadCheckpoint(
             f"{arch} GGUF with {meta[f'{arch}.expert_count']} experts: mixture-of-experts "
             "models are not supported, expected a dense model"

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 # What llama.cpp's gemma3 hard-codes instead of storing: every 6th layer global, the local
@@ -86,7 +87,12 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": _size(key("feed_forward_length"), f"{arch}.feed_forward_length"),
+        "intermediate_size": _size(
+            meta.get(f"{arch}.feed_forward_length") or key("expert_feed_forward_length")
+            if arch == "qwen3moe"
+            else key("feed_forward_length"),
+            f"{arch}.feed_forward_length",
+        ),
         "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
@@ -113,9 +119,34 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         config["mlp_bias"] = False
     elif arch == "gemma3":
         config |= _gemma3(meta, config, scaling)
+    elif arch == "qwen3moe":
+        config |= _qwen3moe(key, tensors)
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}
     return config
+
+
+def _qwen3moe(key, tensors: dict) -> dict[str, Any]:
+    """Every layer a mixture of experts (llama.cpp's qwen3moe has no dense layers), top-k
+    weights renormalized (llama.cpp's qwen3moe always does: transformers' default is not)."""
+    experts = _size(key("expert_count"), "qwen3moe.expert_count")
+    used = _size(key("expert_used_count"), "qwen3moe.expert_used_count")
+    if used > experts:
+        raise BadCheckpoint(f"{used} experts per token of {experts}: a damaged GGUF")
+    if any(".ffn_gate_inp_shexp." in name or ".ffn_up_shexp." in name for name in tensors):
+        raise BadCheckpoint("a qwen3moe GGUF with shared experts: not a Qwen3 MoE")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": _size(
+            key("expert_feed_forward_length"), "qwen3moe.expert_feed_forward_length"
+        ),  # fmt: skip
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def _gemma3(meta: dict[str, Any], config: dict[str, Any], scaling) -> dict[str, Any]:

@@ -51,6 +51,14 @@ GEMMA3_LAYER_TENSORS = LAYER_TENSORS | {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Qwen3 MoE: the router, and the experts stacked in one GGUF tensor per projection
+# ([experts, out, in]) written one tensor per expert, as checkpoints on disk have them (and
+# mlx-lm reads them).
+_DENSE_MLP = ("ffn_gate.", "ffn_up.", "ffn_down.")
+MOE_LAYER_TENSORS = {k: v for k, v in LAYER_TENSORS.items() if not k.startswith(_DENSE_MLP)}
+MOE_LAYER_TENSORS["ffn_gate_inp.weight"] = "mlp.gate.weight"
+EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+           "ffn_down_exps.weight": "down_proj"}  # fmt: skip
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -63,6 +71,7 @@ class PlannedTensor:
     shape: tuple[int, ...]  # transformers shape [out, in]
     unpermute_heads: int | None  # llama Q/K: heads to undo llama.cpp's RoPE permutation over
     shift: float = 0.0  # subtracted after dequantization (Gemma's 1 + w norms)
+    index: int | None = None  # one expert of a stacked [experts, out, in] tensor
 
 
 def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
@@ -97,18 +106,40 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
     if arch == "gemma3":
         per_layer |= {"pre_feedforward_layernorm.weight": (d,),
                       "post_feedforward_layernorm.weight": (d,)}  # fmt: skip
+    moe = arch == "qwen3moe"
+    if moe:
+        e, fe = config["num_experts"], config["moe_intermediate_size"]
+        for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del per_layer[k]
+        per_layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                      "mlp.gate.weight": (e, d)}  # fmt: skip
+        for j in range(e):
+            per_layer |= {f"mlp.experts.{j}.gate_proj.weight": (fe, d),
+                          f"mlp.experts.{j}.up_proj.weight": (fe, d),
+                          f"mlp.experts.{j}.down_proj.weight": (d, fe)}  # fmt: skip
     for i in range(n_layers):
         expected |= {f"model.layers.{i}.{k}": s for k, s in per_layer.items()}
     if config["tie_word_embeddings"]:
         del expected["lm_head.weight"]
 
     plan = []
+    table = (
+        GEMMA3_LAYER_TENSORS if arch == "gemma3" else MOE_LAYER_TENSORS if moe else LAYER_TENSORS
+    )
     for gguf_name, t in tensors.items():
         if gguf_name == ROPE_FREQS:
             continue  # became rope_scaling in config.json
-        name = _hf_name(
-            gguf_name, n_layers, GEMMA3_LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
-        )
+        m = _LAYER.fullmatch(gguf_name)
+        if moe and m and m[2] in EXPERTS and int(m[1]) < n_layers:
+            proj = EXPERTS[m[2]]
+            want = (e, d, fe) if proj == "down_proj" else (e, fe, d)
+            shape = tuple(int(x) for x in reversed(t.shape))
+            if shape != want:
+                raise BadCheckpoint(f"{gguf_name} has shape {shape}, expected {want}")
+            plan += [PlannedTensor(t, f"model.layers.{m[1]}.mlp.experts.{j}.{proj}.weight",
+                                   want[1:], None, index=j) for j in range(e)]  # fmt: skip
+            continue
+        name = _hf_name(gguf_name, n_layers, table)
         if name not in expected:
             raise BadCheckpoint(f"unexpected tensor {gguf_name} in a {arch} GGUF")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
@@ -151,7 +182,10 @@ def _weights(plan: list[PlannedTensor]) -> Iterator[np.ndarray]:
     from gguf import dequantize
 
     for p in plan:
-        w = np.asarray(dequantize(p.source.data, p.source.tensor_type), dtype=np.float32)
+        data = p.source.data
+        if p.index is not None:  # one expert: its rows of the stacked tensor only
+            data = data.reshape(int(p.source.shape[-1]), -1)[p.index]
+        w = np.asarray(dequantize(data, p.source.tensor_type), dtype=np.float32)
         w = w.reshape(p.shape)
         if p.unpermute_heads:
             w = unpermute_rope(w, p.unpermute_heads)
