@@ -118,6 +118,9 @@ def test_a_vllm_prefill_gives_transformers_tokens(pair, tiny, n):
     assert rep["mode"] == "overlap"
     engine = rep["timeline"]["prefill"]  # what the prefill node's HELLO said it runs
     assert (engine["backend"], engine["dtype"], engine["quantization"]) == ("vllm", "float32", None)
+    from exo_split.report.text import prefill_text
+
+    assert prefill_text(engine) == "vllm on cpu, float32, full-precision weights"
     chunks = -(-n // BUDGET)
     assert len(rep["layers"]) == 6 * chunks  # vLLM's chunks, each layer of each
     assert rep["kv_bytes"] == 6 * 2 * 2 * 32 * 4 * n  # layers x K,V x heads x dim x float32

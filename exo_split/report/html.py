@@ -19,6 +19,7 @@ from exo_split.report.text import (
     figure_pairs,
     fmt_bytes,
     fmt_ms,
+    prefill_text,
     prefix_text,
 )
 
@@ -231,6 +232,8 @@ def _section(
         parts.append(f'<p class="note fallback">fallback: {escape(tl.fallback)}</p>')
     if tl.decision:
         parts.append(f'<p class="note">decision: {escape(decision_text(tl.decision))}</p>')
+    if tl.prefill:
+        parts.append(f'<p class="note">prefill: {escape(prefill_text(tl.prefill))}</p>')
     if tl.decode:
         parts.append(f'<p class="note">decode: {escape(decode_text(tl.decode))}</p>')
     if tl.prefix:

@@ -131,6 +131,14 @@ def decode_text(decode: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def prefill_text(prefill: Mapping[str, Any]) -> str:
+    """One line: what prefilled, as the prefill node's HELLO said (backend, device, dtype,
+    the weights' quantization)."""
+    q = prefill.get("quantization")
+    weights = f"{q} weights" if q else "full-precision weights"
+    return f"{prefill.get('backend')} on {prefill.get('device')}, {prefill.get('dtype')}, {weights}"
+
+
 def prefix_text(prefix: Mapping[str, Any], kv_bytes: int) -> str:
     """One line: what prefix reuse saved on each node, what was computed and what moved."""
     moved = f"{kv_bytes / 2**20:,.1f} MiB of KV moved" if kv_bytes else "no KV moved"
@@ -146,6 +154,10 @@ def _notes(tl: Timeline, width: int, kv_bytes: int = 0) -> list[str]:
     if tl.prefix:
         line = f"prefix: {prefix_text(tl.prefix, kv_bytes)}"
         notes.append(textwrap.fill(line, width, subsequent_indent="  "))
+    if tl.prefill:
+        notes.append(
+            textwrap.fill(f"prefill: {prefill_text(tl.prefill)}", width, subsequent_indent="  ")
+        )
     if tl.decode:
         notes.append(
             textwrap.fill(f"decode: {decode_text(tl.decode)}", width, subsequent_indent="  ")
