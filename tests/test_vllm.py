@@ -99,13 +99,24 @@ def smollm2_pair(smollm2, vllm_python, tmp_path_factory):
     yield from _two_nodes(smollm2.dir, work, vllm_python, "max_model_len=4096")
 
 
-def test_the_vllm_node_says_what_it_is(pair):
+def test_the_vllm_node_says_what_it_is_and_refuses_to_generate(pair):
     v, _ = pair
     status, raw, _ = asyncio.run(request("GET", f"{v.url}/v1/info"))
     assert status == 200
     info = json.loads(raw)
     assert info["backend"] == "vllm"
     assert info["roles"] == ["prefill"]
+    # a client pointed at it by mistake: a clear answer in each API's shape, before any work
+    before = _vllm_stats(v)["prefills"]
+    status, raw, _ = asyncio.run(request("GET", f"{v.url}/v1/models"))
+    body = {"model": json.loads(raw)["data"][0]["id"], "prompt": "ba be", "max_tokens": 3}
+    status, raw, _ = asyncio.run(request("POST", f"{v.url}/v1/completions", json=body))
+    assert status == 409, raw
+    assert json.loads(raw)["error"]["code"] == "prefill_only"
+    status, raw, _ = asyncio.run(request("POST", f"{v.url}/v1/generate",
+                                         json={"token_ids": [1, 5], "max_tokens": 2}))  # fmt: skip
+    assert status == 409 and b"send requests to the decode node" in raw, raw
+    assert _vllm_stats(v)["prefills"] == before  # vLLM ran nothing for them
 
 
 @pytest.mark.parametrize("n", [1, 300, 3000])

@@ -116,7 +116,10 @@ class Coordinator(RemotePull):
         full capacity, plus staged frames when the backend cannot be received into. A
         received cache keeps only the window of a sliding layer (backend.window_keep); a
         local prefill (`local`) keeps every position, and takes the difference when it runs
-        (`_hold_local`)."""
+        (`_hold_local`). A node that only prefills (vllm) refuses here, before any work."""
+        if getattr(self.backend, "prefill_only", False):
+            raise Refused(409, "prefill_only", "this node runs vLLM as a prefill engine and does "
+                          "not generate: send requests to the decode node, which reaches it")  # fmt: skip
         direct = hasattr(self.backend, "receive_views")
         staging = 0 if direct else STAGED_FRAMES * self.max_frame_bytes
         keep = () if local else getattr(self.backend, "window_keep", ())
