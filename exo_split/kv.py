@@ -43,6 +43,19 @@ def chunk_sizes(n_tokens: int, chunk: int | None) -> tuple[int, ...]:
     return tuple(min(step, n_tokens - s) for s in range(0, n_tokens, step))
 
 
+def streamed_chunks(cached: int, compute: tuple[int, ...], start: int) -> tuple[int, ...]:
+    """The plan's chunks when the prefill computes `compute` (sizes) from position `cached`
+    and streams from `start`: the cached [start, cached) first if the receiver lacks it, then
+    each computed chunk's part at or after `start`."""
+    out = [cached - start] if start < cached else []
+    at = cached
+    for size in compute:
+        if at + size > start:
+            out.append(at + size - max(at, start))
+        at += size
+    return tuple(out)
+
+
 def bf16_words_from_float32(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 (round to nearest even), returned as uint16 words."""
     bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)

@@ -38,11 +38,13 @@ import numpy as np
 # not installed, load_backend says so.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 
+from exo_split.backends import vllm_kv as conn  # noqa: E402
 from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.backends.staged import StagedBackend
 from exo_split.errors import BadCheckpoint, ExoSplitError
-from exo_split.kv import LayerKV, chunk_sizes
+from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
 from exo_split.spec import load_spec
 
 log = logging.getLogger(__name__)
@@ -105,10 +107,6 @@ class VllmBackend(StagedBackend):
         stream_kv / export. `chunk` and `capacity` do not apply (vLLM's own budget, blocks).
         `background`: pieces still in the staging ring when the forward ends are staged
         after it returns (Prefilled.staging), as the torch backend's."""
-        from vllm import SamplingParams
-
-        from exo_split.backends import vllm_kv as conn
-
         if cache is not None:
             raise ExoSplitError("the vllm backend keeps its prefix cache inside vLLM")
         n, start = len(token_ids), emit_from
@@ -116,15 +114,15 @@ class VllmBackend(StagedBackend):
             raise ValueError(f"emit_from {start} outside a prompt of {n} positions")
         kept: list[LayerKV] = []
         layers = range(self.spec.n_layers)
-        if on_layer is None:  # whole layers, after the prefill
-            pieces = [(layer, start, n - start) for layer in layers]
-        else:
-            pieces, at = [], 0
-            for size in chunk_sizes(n, self.budget):
-                if at + size > start:
-                    lo = max(at, start)
-                    pieces += [(layer, lo, at + size - lo) for layer in layers]
-                at += size
+        # The plan's pieces (stream_prefill's): vLLM's chunks from position 0, from `start` on;
+        # without on_layer whole layers, handed on after the prefill.
+        chunks = (
+            streamed_chunks(0, chunk_sizes(n, self.budget), start) if on_layer else (n - start,)
+        )
+        pieces, at = [], start
+        for size in chunks:
+            pieces += [(layer, at, size) for layer in layers]
+            at += size
         stop = should_stop or (lambda: False)
         stager = stage = None
         if on_layer is not None and self.ring.bounded:
@@ -189,8 +187,6 @@ class VllmBackend(StagedBackend):
     def describe(self) -> dict:
         """GET /v1/info's stats.engine: vLLM's version, budget, quantization and counts
         (prefix_hit_tokens: positions vLLM found in its prefix cache and did not compute)."""
-        import vllm
-
         return {"name": "vllm", "version": vllm.__version__, "max_num_batched_tokens": self.budget,
                 "quantization": self.engine_quantization, **self.counts}  # fmt: skip
 

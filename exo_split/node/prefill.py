@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from exo_split.backends.base import Backend, Cancelled
-from exo_split.kv import LayerKV, chunk_sizes
+from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
 from exo_split.node.prefix import Checkout, PrefixCache
 from exo_split.sampling import sample
 from exo_split.transport import wire
@@ -232,19 +232,6 @@ def _block(arr: np.ndarray, head: int, a: int, b: int) -> memoryview:
 
 def _describe(kv: LayerKV) -> str:
     return f"LAYER {kv.layer} tokens [{kv.token_start}, {kv.token_start + kv.n_tokens})"
-
-
-def streamed_chunks(cached: int, compute: tuple[int, ...], start: int) -> tuple[int, ...]:
-    """The plan's chunks when the prefill computes `compute` (sizes) from position `cached`
-    and streams from `start`: the cached [start, cached) first if the receiver lacks it, then
-    each computed chunk's part at or after `start`."""
-    out = [cached - start] if start < cached else []
-    at = cached
-    for size in compute:
-        if at + size > start:
-            out.append(at + size - max(at, start))
-        at += size
-    return tuple(out)
 
 
 def _from(kv: LayerKV, start: int) -> LayerKV:
