@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nodes import NodeProcess, generate_sync, open_kv_stream, request
+from nodes import TOKEN, NodeProcess, generate_sync, open_kv_stream, request
 from reference import prompt_ids, reference_generate
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -113,6 +113,12 @@ def test_the_vllm_node_says_what_it_is_and_refuses_to_generate(pair):
     status, raw, _ = asyncio.run(request("POST", f"{v.url}/v1/completions", json=body))
     assert status == 409, raw
     assert json.loads(raw)["error"]["code"] == "prefill_only"
+    import openai  # the real client sees it as an API error with the code, not a hang
+
+    client = openai.OpenAI(base_url=f"{v.url}/v1", api_key=TOKEN, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model=body["model"], prompt="ba be", max_tokens=3)
+    assert err.value.status_code == 409 and err.value.code == "prefill_only"
     status, raw, _ = asyncio.run(request("POST", f"{v.url}/v1/generate",
                                          json={"token_ids": [1, 5], "max_tokens": 2}))  # fmt: skip
     assert status == 409 and b"send requests to the decode node" in raw, raw
