@@ -73,6 +73,20 @@ def _gemma3_refuse(config: dict[str, Any]) -> str | None:
     return None
 
 
+def _gpt_oss_refuse(config: dict[str, Any]) -> str | None:
+    for key, fixed in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if float(config.get(key, fixed)) != fixed:
+            return f"mlx-lm's gpt_oss fixes {key} at {fixed}; this checkpoint has {config[key]}"
+    if not config.get("attention_bias", True):
+        return "mlx-lm's gpt_oss always adds attention biases; this checkpoint has none"
+    if config.get("tie_word_embeddings"):
+        return "mlx-lm's gpt_oss always has an output head of its own (tied embeddings here)"
+    types = set(config.get("layer_types") or (SLIDING, FULL))
+    if not config.get("sliding_window") or types != {SLIDING, FULL}:
+        return "mlx-lm's gpt_oss needs both sliding and full layers and a sliding_window"
+    return None
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(fields={"mlp_bias": False}),
     "mistral": Family(window="always"),
@@ -117,6 +131,12 @@ FAMILIES: dict[str, Family] = {
         window="layer_types",
         mlx_pattern=True,
     ),
+    "gpt_oss": Family(
+        fields={"num_local_experts": 128, "num_experts_per_tok": 4, "layer_types": None},
+        qkv_bias=True,
+        window="layer_types",
+        refuse=_gpt_oss_refuse,
+    ),
     "gemma3_text": Family(
         fields={"query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0},
         window="layer_types",
@@ -130,8 +150,6 @@ REFUSED = {
     "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
     "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
     "description does not hold yet",
-    "gpt_oss": "its YaRN does not truncate (mlx-lm's always does), and mlx-lm cannot load "
-    "the experts of a transformers-5 checkpoint",
     "qwen3_next": "its recurrent (gated delta net) layers' state does not travel yet",
     "qwen3_5": "its recurrent (gated delta net) layers' state does not travel yet",
     "qwen3_5_moe": "its recurrent (gated delta net) layers' state does not travel yet",
@@ -165,7 +183,7 @@ def default_layer_types(model_type: str, n_layers: int, config: dict[str, Any]) 
     from a pattern, and older files carry only the pattern)."""
     pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
     if pattern is None:
-        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4}.get(model_type)
+        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "gpt_oss": 2}.get(model_type)
     if not pattern:
         return (FULL,) * n_layers
     return tuple(FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n_layers))

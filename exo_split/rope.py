@@ -3,10 +3,12 @@ two libraries would compute different rotations from the same file (no torch or 
 
 transformers and mlx-lm each implement llama3, linear and YaRN scaling; this module accepts a
 setting only where both give the same frequencies and scale:
-- YaRN: mlx-lm derives the attention scale from mscale / mscale_all_dim and always truncates
-  the correction range; transformers takes `attention_factor` when given, uses mscale only
-  when both are set, and truncates unless `truncate` is false. Each such case is compared
-  and refused if the two disagree. A missing `factor` is derived as transformers derives it.
+- YaRN: mlx-lm derives the attention scale from mscale / mscale_all_dim; transformers takes
+  `attention_factor` when given and uses mscale only when both are set: compared, and refused
+  if the two disagree. A missing `factor` is derived as transformers derives it. mlx-lm
+  always truncates the correction range, transformers unless `truncate` is false (gpt-oss):
+  `truncate: false` stays in the canonical form (it changes the maths) and the MLX backend
+  recomputes the frequencies without truncating (backends/mlx_adapt.py).
 - longrope (Phi-3.5/4-mini): mlx-lm applies the long factors at every length, transformers
   the short ones up to original_max_position_embeddings: refused.
 - dynamic: the frequencies change with the length in transformers: refused.
@@ -68,12 +70,8 @@ def _yarn(s: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
         raise BadCheckpoint("YaRN rope scaling without original_max_position_embeddings")
     if s.get("factor") is None:
         s["factor"] = max_position_embeddings / s["original_max_position_embeddings"]
-    if s.get("truncate", True) is False:
-        raise BadCheckpoint(
-            "YaRN with truncate: false (gpt-oss): mlx-lm always truncates the correction "
-            "range, so the two sides would rotate differently"
-        )
-    s.pop("truncate", None)
+    if s.get("truncate", True) is not False:
+        s.pop("truncate", None)  # truncating is the default: absent, as in older files
     factor, mscale, all_dim = s["factor"], s.get("mscale"), s.get("mscale_all_dim")
     theirs = s.get("attention_factor")
     if theirs is None:

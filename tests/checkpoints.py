@@ -17,6 +17,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4Config,
     Glm4MoeConfig,
+    GptOssConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
@@ -138,6 +139,15 @@ MORE_FAMILIES = {
     "cohere2": _family(Cohere2Config,
         **_SMALL, head_dim=16, logit_scale=0.3, sliding_window=WINDOW,
         layer_types=[S, F, S, F],
+    ),
+    # gpt-oss: sinks, biases, alternating windows, experts with their own activation, and
+    # YaRN with truncate: false (the correction range's ends fall between pairs here).
+    "gpt_oss": _family(GptOssConfig,
+        **_SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=WINDOW, layer_types=[S, F, S, F],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 512},
     ),
     "gemma3_text": _family(Gemma3TextConfig,
         **_SMALL, head_dim=16, sliding_window=WINDOW, layer_types=[S, F, S, F],

@@ -25,6 +25,7 @@ _CONFIG_CLASSES = {
     "phi3": transformers.Phi3Config,
     "glm4": transformers.Glm4Config,
     "glm4_moe": transformers.Glm4MoeConfig,
+    "gpt_oss": transformers.GptOssConfig,
     "smollm3": transformers.SmolLM3Config,
     "granite": transformers.GraniteConfig,
     "cohere": transformers.CohereConfig,
@@ -140,6 +141,10 @@ def test_layer_types_and_the_local_rope_are_read_from_transformers_5_configs():
                                       "short_factor": [1.0], "long_factor": [1.0]}},
          "unsupported rope type 'longrope'"),
         ("qwen3_moe", {"model_type": "qwen3_next"}, "unsupported architecture 'qwen3_next'"),
+        ("gpt_oss", {"swiglu_limit": 5.0}, "fixes swiglu_limit at 7.0; this checkpoint has 5.0"),
+        ("gpt_oss", {"attention_bias": False}, "always adds attention biases"),
+        ("gpt_oss", {"tie_word_embeddings": True}, "output head of its own"),
+        ("gpt_oss", {"layer_types": ["full_attention"] * 4}, "both sliding and full layers"),
     ],
 )  # fmt: skip
 def test_what_mlx_lm_cannot_run_is_refused_with_the_reason(arch, change, message):
@@ -159,7 +164,7 @@ def test_a_refused_checkpoint_is_refused_before_any_backend_loads(checkpoint, tm
             load_backend(name, copy)
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "cohere2", "olmo3"])
+@pytest.mark.parametrize("arch", ["gemma3_text", "cohere2", "olmo3", "gpt_oss"])
 def test_past_the_window_the_window_matters(arch, checkpoint, tmp_path):
     """The check above is sensitive to the window: at 3x the window, the same weights
     without it (every layer full) give logits far outside the bound, so a side that ignored
@@ -182,7 +187,7 @@ def test_past_the_window_the_window_matters(arch, checkpoint, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_two_nodes_of_a_new_family_match_transformers(arch, checkpoint, tmp_path):
     """A mixture of experts and a model with sliding layers (prompts below the window and
     past it, chunks that cross it) through a torch prefill node and an MLX decode node. A
@@ -359,3 +364,37 @@ def test_a_refused_family_says_why(arch):
     message = str(refused.value)
     assert message.startswith(f"unsupported architecture {arch!r}: ")
     assert families.REFUSED[arch] in message and "exo-split supports llama" in message
+
+
+@pytest.mark.parametrize(
+    ("dims", "base", "factor", "original"),
+    [(64, 150000.0, 32.0, 4096), (16, 50000.0, 8.0, 512), (128, 1e6, 4.0, 32768)],
+)
+def test_our_yarn_frequencies_are_mlx_lms_and_truncating_changes_them(dims, base, factor, original):
+    """yarn_freqs (what the MLX backend gives a `truncate: false` checkpoint) computes mlx-lm's
+    own frequencies when truncating, and other ones when not (gpt-oss's 64 dims: by 76%)."""
+    import numpy as np
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    from exo_split.backends.mlx_adapt import yarn_freqs
+
+    theirs = np.array(YarnRoPE(dims, base=base, scaling_factor=factor,
+                               original_max_position_embeddings=original)._freqs)  # fmt: skip
+    ours = yarn_freqs(dims, base, factor, original)
+    assert np.allclose(ours, theirs, rtol=1e-6, atol=0)
+    untruncated = yarn_freqs(dims, base, factor, original, truncate=False)
+    assert np.abs(untruncated / ours - 1).max() > 0.01
+
+
+def test_gpt_oss_untruncated_yarn_is_what_keeps_the_check_passing(checkpoint, monkeypatch):
+    """Without the untruncated frequencies (mlx-lm's own YaRN), the decode on the MLX side
+    leaves the float32 bound: the fix is what makes gpt-oss's rotation transformers'."""
+    from exo_split.backends import mlx_backend
+
+    ckpt = checkpoint("gpt_oss")
+    assert load_spec(ckpt).rope_scaling and dict(load_spec(ckpt).rope_scaling)["truncate"] is False
+    monkeypatch.setattr(mlx_backend, "untruncated_yarn", lambda model, spec: 0)
+    report = run_check(ckpt, max_tokens=8)
+    worst = max(r.max_logit_diff / max(1.0, r.reference_logit_max)
+                for p in report.pairings if p.name == "torch->mlx" for r in p.prompts)  # fmt: skip
+    assert worst > 10 * FLOAT32_LOGIT_BOUND

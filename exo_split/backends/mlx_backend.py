@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
@@ -37,6 +36,7 @@ from mlx_lm.utils import load_model
 from exo_split import families
 from exo_split.backends import mlx_decode
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
+from exo_split.backends.mlx_adapt import exact_embedding_scale, model_classes, untruncated_yarn
 from exo_split.backends.mlx_batch import Batcher
 from exo_split.errors import BadCheckpoint
 from exo_split.kv import LayerKV, chunk_sizes, window_floor
@@ -441,14 +441,17 @@ def load(
     if device == "cpu":
         mx.set_default_device(mx.cpu)
     try:
-        model, _ = load_model(Path(model_dir), model_config=_mlx_config(spec))
+        model, _ = load_model(
+            Path(model_dir), model_config=_mlx_config(spec), get_model_classes=model_classes
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise BadCheckpoint(f"mlx-lm cannot load {model_dir}: {exc}") from exc
     if quant is not None and quant.scales_dtype in (None, dtype):
         _cast_unquantized(model, _MX_DTYPES[dtype])
     else:  # full precision, or scales asked to change dtype: everything follows
         model.set_dtype(_MX_DTYPES[dtype])
-    _exact_embedding_scale(model, spec, dtype)
+    exact_embedding_scale(model, spec, dtype)
+    untruncated_yarn(model, spec)
     mx.eval(model.parameters())
     what = quant.describe() if quant else "full precision"
     log.info("mlx backend: %s on %s in %s (%s)", spec.name, mx.default_device(), dtype, what)
@@ -462,35 +465,3 @@ def _cast_unquantized(model, dtype: mx.Dtype) -> None:
         (k, v.astype(dtype)) for k, v in params
         if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))
     ]))  # fmt: skip
-
-
-class _RescaledEmbedding(nn.Module):
-    """An embedding whose lookups are multiplied by `factor` (the output head, through
-    `as_linear`, is not): see `_exact_embedding_scale`."""
-
-    def __init__(self, inner: nn.Module, factor: float):
-        super().__init__()
-        self.inner = inner
-        self.factor = factor
-
-    def __call__(self, x):
-        return self.inner(x) * self.factor
-
-    def as_linear(self, x):
-        return self.inner.as_linear(x)
-
-
-def _exact_embedding_scale(model, spec: ModelSpec, dtype: str) -> None:
-    """Gemma multiplies its embeddings by sqrt(hidden_size): transformers rounds the factor to
-    the weights' dtype, mlx-lm always to bfloat16 (sqrt(640) = 25.298 becomes 25.25), which
-    in float32 moves Gemma 3 270M's logits by up to 0.4. The lookups are rescaled by the ratio
-    so that both sides compute transformers' numbers (in bfloat16 the ratio is 1)."""
-    rounded_as = families.family(spec.architecture).mlx_embed_scale_dtype
-    if rounded_as is None:
-        return
-    root = spec.hidden_size**0.5
-    ours = mx.array(root, _MX_DTYPES[dtype]).astype(mx.float32).item()
-    theirs = mx.array(root, _MX_DTYPES[rounded_as]).astype(mx.float32).item()
-    if ours != theirs:
-        inner = model.model
-        inner.embed_tokens = _RescaledEmbedding(inner.embed_tokens, ours / theirs)

@@ -1,0 +1,135 @@
+"""Where mlx-lm's module of a family computes other numbers than transformers from the same
+checkpoint, and the difference can be made up exactly after (or while) loading it.
+
+Each fix is checked against transformers in tests/test_families.py; what cannot be made up
+is refused in families.py instead.
+- Gemma's embedding scale: rounded to bfloat16 by mlx-lm, to the weights' dtype by
+  transformers (`exact_embedding_scale`).
+- YaRN with `truncate: false` (gpt-oss): mlx-lm always floors/ceils the correction range;
+  the frequencies are recomputed without it (`untruncated_yarn`).
+- gpt-oss experts saved by transformers 5 ([experts, in, out], gate and up interleaved):
+  mlx-lm's sanitize expects OpenAI's [experts, out, in] (`model_classes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.rope_utils import YarnRoPE
+from mlx_lm.utils import _get_classes
+
+from exo_split import families
+from exo_split.spec import ModelSpec
+
+_MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class _RescaledEmbedding(nn.Module):
+    """An embedding whose lookups are multiplied by `factor` (the output head, through
+    `as_linear`, is not): see `exact_embedding_scale`."""
+
+    def __init__(self, inner: nn.Module, factor: float):
+        super().__init__()
+        self.inner = inner
+        self.factor = factor
+
+    def __call__(self, x):
+        return self.inner(x) * self.factor
+
+    def as_linear(self, x):
+        return self.inner.as_linear(x)
+
+
+def exact_embedding_scale(model, spec: ModelSpec, dtype: str) -> None:
+    """Gemma multiplies its embeddings by sqrt(hidden_size): transformers rounds the factor to
+    the weights' dtype, mlx-lm always to bfloat16 (sqrt(640) = 25.298 becomes 25.25), which
+    in float32 moves Gemma 3 270M's logits by up to 0.4. The lookups are rescaled by the ratio
+    so that both sides compute transformers' numbers (in bfloat16 the ratio is 1)."""
+    rounded_as = families.family(spec.architecture).mlx_embed_scale_dtype
+    if rounded_as is None:
+        return
+    root = spec.hidden_size**0.5
+    ours = mx.array(root, _MX_DTYPES[dtype]).astype(mx.float32).item()
+    theirs = mx.array(root, _MX_DTYPES[rounded_as]).astype(mx.float32).item()
+    if ours != theirs:
+        inner = model.model
+        inner.embed_tokens = _RescaledEmbedding(inner.embed_tokens, ours / theirs)
+
+
+def yarn_freqs(
+    dims: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    *,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> np.ndarray:
+    """A YaRN rope's wavelengths per rotated pair (mlx-lm's `_freqs`, 1 / inv_freq): each
+    pair's frequency is blended between the original and the `factor`-interpolated one by a
+    ramp over the correction range, whose ends are rounded outwards when `truncate`."""
+
+    def dim_of(rotations: float) -> float:
+        ratio = original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dims * math.log(ratio) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dims // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    wavelength = base ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    inv = (1 - ramp) / wavelength + ramp / (factor * wavelength)
+    return (1 / inv).astype(np.float32)
+
+
+def untruncated_yarn(model, spec: ModelSpec) -> int:
+    """Give every YarnRoPE of the model the frequencies of an untruncated correction range when
+    the checkpoint says `truncate: false`; returns how many modules changed."""
+    s = dict(spec.rope_scaling)
+    if s.get("rope_type") != "yarn" or s.get("truncate", True):
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        if isinstance(module, YarnRoPE):
+            module._freqs = mx.array(yarn_freqs(
+                module.dims, spec.rope_theta, float(s["factor"]),
+                int(s["original_max_position_embeddings"]),
+                beta_fast=float(s.get("beta_fast", 32.0)), beta_slow=float(s.get("beta_slow", 1.0)),
+                truncate=False,
+            ))  # fmt: skip
+            changed += 1
+    return changed
+
+
+def _gpt_oss_from_transformers(weights: dict) -> dict:
+    """transformers 5 keeps gpt-oss's experts as [experts, in, out] matrices (x @ W), gate
+    and up interleaved in gate_up_proj's last axis; mlx-lm's sanitize takes OpenAI's
+    [experts, out, in] and splits the interleaving itself. Transposed here, exactly."""
+    out = {}
+    for key, value in weights.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            key, value = f"{key}.weight", mx.contiguous(value.swapaxes(-1, -2))
+        out[key] = value
+    return out
+
+
+def model_classes(config: dict):
+    """mlx-lm's (Model, ModelArgs) for a config, with the weight translations above."""
+    model_class, args_class = _get_classes(config)
+    if config.get("model_type") != "gpt_oss":
+        return model_class, args_class
+
+    class GptOssFromTransformers(model_class):
+        def sanitize(self, weights):
+            if any(k.endswith("experts.gate_up_proj") for k in weights):
+                weights = _gpt_oss_from_transformers(weights)
+            return super().sanitize(weights)
+
+    return GptOssFromTransformers, args_class
