@@ -271,13 +271,13 @@ def test_gemmas_embedding_scale_is_transformers_in_every_dtype(checkpoint, monke
     """hidden 80: sqrt(80) = 8.944 is 8.9375 in bfloat16, the factor mlx-lm always uses.
     The MLX backend rescales the lookups so float32 is transformers' float32; without it
     the same check fails on the logit bound (its tokens still agree)."""
-    from exo_split.backends import mlx_backend
+    from exo_split.backends import mlx_adapt, mlx_backend
 
     ckpt = checkpoint("gemma3_text", hidden_size=80)
     assert run_check(ckpt, max_tokens=8).passed
     bf16 = mlx_backend.load(ckpt, dtype="bfloat16")
-    assert not isinstance(bf16.model.model.embed_tokens, mlx_backend._RescaledEmbedding)
-    monkeypatch.setattr(mlx_backend, "_exact_embedding_scale", lambda *a: None)
+    assert not isinstance(bf16.model.model.embed_tokens, mlx_adapt._RescaledEmbedding)
+    monkeypatch.setattr(mlx_backend, "exact_embedding_scale", lambda *a: None)
     report = run_check(ckpt, max_tokens=8)
     assert not report.passed
     assert {p.name for p in report.failing} == {"torch->mlx", "mlx->torch", "mlx->mlx"}

@@ -18,11 +18,15 @@ YARN = {"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0,
         "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_yarn_matches_transformers(checkpoint, family):
-    ckpt = checkpoint(family, rope_parameters=YARN)
+@pytest.mark.parametrize(
+    ("family", "extra"), [("qwen3", {}), ("llama", {}), ("qwen3", {"truncate": False})]
+)
+def test_yarn_matches_transformers(checkpoint, family, extra):
+    """`truncate: false` (gpt-oss's, here on a dense family): the MLX side recomputes the
+    frequencies mlx-lm would have truncated."""
+    ckpt = checkpoint(family, rope_parameters=YARN | extra)
     spec = load_spec(ckpt)
-    assert dict(spec.rope_scaling) == {k: v for k, v in YARN.items() if k != "rope_theta"}
+    assert dict(spec.rope_scaling) == {k: v for k, v in (YARN | extra).items() if k != "rope_theta"}
     report = run_check(ckpt, max_tokens=8)
     assert report.passed, [p.reason for p in report.failing]
 
@@ -50,7 +54,6 @@ def test_a_missing_factor_is_derived_as_transformers_derives_it():
 @pytest.mark.parametrize(
     ("scaling", "message"),
     [
-        ({**YARN, "truncate": False}, "truncate: false"),
         ({**YARN, "attention_factor": 2.0}, "transformers uses 2, mlx-lm would use 1.13863"),
         ({**YARN, "mscale": 0.707}, "attention scale"),  # mlx-lm uses mscale alone, not transformers
         ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "long factors at every length"),
@@ -78,3 +81,10 @@ def test_a_family_whose_mlx_module_ignores_rope_scaling_refuses_it(arch):
     config["rope_parameters"] = {**params, **YARN}
     with pytest.raises(BadCheckpoint, match=f"mlx-lm's {arch} module builds a plain RoPE"):
         spec_from_config(config)
+
+
+def test_truncate_false_is_part_of_the_maths_and_true_is_the_default():
+    plain = rope.canonical(dict(YARN), max_position_embeddings=4096)
+    assert rope.canonical({**YARN, "truncate": True}, max_position_embeddings=4096) == plain
+    untruncated = rope.canonical({**YARN, "truncate": False}, max_position_embeddings=4096)
+    assert untruncated == {**plain, "truncate": False}
