@@ -330,7 +330,10 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a checkpoint's weights are quantized (mlx_lm.convert / mlx-community layout)."""
+    """How a checkpoint's weights are quantized: mlx_lm.convert's / mlx-community's layout
+    (`format` "mlx": MLX only), or OpenAI's MXFP4 gpt-oss files as transformers writes them
+    (`format` "transformers": transformers dequantizes them where it has no MXFP4 kernels,
+    mlx-lm runs them packed)."""
 
     bits: int
     group_size: int
@@ -338,6 +341,7 @@ class Quantization:
     scales_dtype: str | None  # the dtype the scales (and biases) are stored in
     quantized: int  # weight matrices stored packed
     full_precision: int  # projection/embedding matrices convert left unquantized
+    format: str = "mlx"
 
     @property
     def tag(self) -> str:
@@ -363,11 +367,15 @@ def load_quantization(model_dir: str | Path) -> Quantization | None:
     try:
         config = json.loads((path / "config.json").read_text())
         q = config.get("quantization") or config.get("quantization_config")
+        fmt = "mlx"
+        if isinstance(q, dict) and q.get("quant_method") == "mxfp4" and "bits" not in q:
+            q, fmt = {"bits": 4, "group_size": 32, "mode": "mxfp4"}, "transformers"
         if not isinstance(q, dict) or "bits" not in q:
             return None
         headers = [_safetensors_header(f) for f in sorted(path.glob("*.safetensors"))]
         dtypes = {k: v["dtype"] for h in headers for k, v in h.items() if k != "__metadata__"}
-        packed = {k.removesuffix(".scales") for k in dtypes if k.endswith(".scales")}
+        scale_keys = [k for k in dtypes if k.endswith((".scales", "_scales"))]
+        packed = {k.removesuffix(".scales").removesuffix("_scales") for k in scale_keys}
         plain = [
             k
             for k in dtypes
@@ -375,7 +383,7 @@ def load_quantization(model_dir: str | Path) -> Quantization | None:
             and k.removesuffix(".weight") not in packed
             and ("proj" in k or "embed" in k or "lm_head" in k)
         ]
-        scales = sorted(k for k in dtypes if k.endswith(".scales"))
+        scales = sorted(scale_keys)
         return Quantization(
             bits=int(q["bits"]),
             group_size=int(q["group_size"]),
@@ -383,6 +391,7 @@ def load_quantization(model_dir: str | Path) -> Quantization | None:
             scales_dtype=_SAFETENSORS_DTYPES.get(dtypes[scales[0]]) if scales else None,
             quantized=len(packed),
             full_precision=len(plain),
+            format=fmt,
         )
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise BadCheckpoint(f"cannot read the quantization of {path}: {exc}") from exc

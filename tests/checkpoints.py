@@ -226,3 +226,54 @@ def build_tools_model(out_dir: Path, tokenizer_dir: Path) -> Path:
     config["chat_template"] = TOOLS_TEMPLATE
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return Path(out_dir)
+
+
+# MXFP4 (OCP microscaling): 32 values share a power-of-two scale (a biased exponent byte);
+# each value is a 4-bit E2M1 number, two to a byte, the first in the low nibble.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4(w):
+    """[..., out, in] floats -> (blocks uint8 [..., out, in/32, 16], scales uint8 [..., out,
+    in/32]): each group's scale the smallest power of two that brings it within +-6, each
+    value rounded to the nearest E2M1 number."""
+    import numpy as np
+
+    *lead, rows, cols = w.shape
+    g = np.asarray(w, np.float32).reshape(*lead, rows, cols // 32, 32)
+    amax = np.abs(g).max(-1, keepdims=True)
+    e = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    x = g / np.exp2(e)
+    idx = np.abs(np.abs(x)[..., None] - np.array(E2M1, np.float32)).argmin(-1).astype(np.uint8)
+    idx |= (x < 0).astype(np.uint8) << 3
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((e[..., 0] + 127).astype(np.uint8))
+
+
+def build_gpt_oss_mxfp4(out_dir: Path, full_dir: Path) -> Path:
+    """`full_dir` (a transformers-5 gpt-oss) as OpenAI publishes gpt-oss: the experts'
+    matrices MXFP4 as [experts, out, in] `_blocks` / `_scales`, everything else as it was,
+    and transformers' `quantization_config`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(full_dir, out_dir, dirs_exist_ok=True)
+    weights = {}
+    for key, value in load_file(Path(full_dir) / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4(value.transpose(-1, -2).numpy())
+            weights[f"{key}_blocks"] = torch.from_numpy(blocks)
+            weights[f"{key}_scales"] = torch.from_numpy(scales)
+        else:
+            weights[key] = value
+    save_file(weights, Path(out_dir) / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((Path(out_dir) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(out_dir)

@@ -181,3 +181,51 @@ def test_smollm2_4bit_decode_side_stays_close(tmp_path):
         b.append(agreement(teacher_forced_logits(torch_b, dec, ids, alone_tokens), alone_logits)[0])
     assert np.mean(b) >= 0.75, b
     assert np.mean(a) >= 0.7, a
+
+
+def test_openais_mxfp4_gpt_oss_runs_packed_on_mlx_and_matches_transformers(checkpoint, tmp_path):
+    """gpt-oss as OpenAI publishes it (experts in MXFP4, transformers' quantization_config):
+    transformers dequantizes it (no MXFP4 kernels on this CPU), mlx-lm runs the experts packed
+    (QuantizedSwitchLinear, mode mxfp4); every pairing stays within the float32 bound of
+    transformers reading the same file, and the packing written here is the one transformers
+    reads (its dequantized experts equal ours bit for bit)."""
+    import torch
+    from checkpoints import E2M1, build_gpt_oss_mxfp4
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from exo_split.fidelity import FLOAT32_LOGIT_BOUND, run_check
+
+    full = checkpoint("gpt_oss")
+    q = build_gpt_oss_mxfp4(tmp_path / "gpt-oss-mxfp4", full)
+    quant = load_quantization(q)
+    assert (quant.bits, quant.group_size, quant.mode, quant.format) == (
+        4,
+        32,
+        "mxfp4",
+        "transformers",
+    )
+    assert quant.quantized == 2 * 4 and quant.scales_dtype is None
+    assert load_spec(q).fingerprint == load_spec(full).fingerprint
+
+    w = load_file(q / "model.safetensors")
+    lut = np.array(E2M1 + tuple(-v for v in E2M1), np.float32)
+    blocks = w["model.layers.1.mlp.experts.down_proj_blocks"]
+    scales = w["model.layers.1.mlp.experts.down_proj_scales"].astype(np.float32)
+    nibbles = np.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32)
+    ours = (lut[nibbles] * np.exp2(scales - 127)[..., None]).reshape(*blocks.shape[:-2], -1)
+    ref = AutoModelForCausalLM.from_pretrained(str(q), dtype=torch.float32)
+    theirs = ref.model.layers[1].mlp.experts.down_proj.detach().numpy()  # [experts, in, out]
+    assert np.array_equal(ours.transpose(0, 2, 1), theirs)
+
+    mlx = load_backend("mlx", q)
+    assert isinstance(mlx.model.model.layers[0].mlp.experts.gate_proj, QuantizedSwitchLinear)
+    assert mlx.model.model.layers[0].mlp.experts.gate_proj.mode == "mxfp4"
+    assert load_backend("torch", q).quantization == quant
+
+    report = run_check(q, max_tokens=8)
+    assert report.passed, [p.reason for p in report.failing]
+    for p in report.pairings:
+        for r in p.prompts:
+            assert r.max_logit_diff <= FLOAT32_LOGIT_BOUND * max(1.0, r.reference_logit_max)

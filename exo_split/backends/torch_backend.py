@@ -57,7 +57,7 @@ def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
 
 class TorchBackend(StagedBackend):
     name = "torch"
-    quantization = None  # full-precision checkpoints only
+    quantization = None  # full precision, or a transformers-format MXFP4 checkpoint (load)
     decode = serial_decode  # one step at a time: the prefill side's backend rarely decodes
     stages_in_background = True  # prefill(background=True): see there
 
@@ -306,7 +306,7 @@ def load(
 ) -> TorchBackend:
     spec = load_spec(model_dir)
     quant = load_quantization(model_dir)
-    if quant is not None:
+    if quant is not None and quant.format != "transformers":
         raise BadCheckpoint(
             f"{model_dir} holds MLX-quantized weights ({quant.describe()}): the torch backend "
             "runs full-precision checkpoints",
@@ -326,4 +326,6 @@ def load(
     except (AssertionError, RuntimeError) as exc:  # torch asserts when CUDA is not compiled in
         raise ExoSplitError(f"cannot use device {dev} for the torch backend: {exc}") from exc
     log.info("torch backend: %s on %s in %s", spec.name, dev, dtype)
-    return TorchBackend(model, spec, dtype, dev)
+    backend = TorchBackend(model, spec, dtype, dev)
+    backend.quantization = quant  # OpenAI's MXFP4 (transformers' own loader), or None
+    return backend
