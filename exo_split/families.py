@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class Family:
     # The rope scalings mlx-lm's module of the family applies (several build a plain RoPE and
     # never read rope_scaling: a scaled checkpoint would rotate differently there).
     mlx_rope: tuple[str, ...] = ("linear", "llama3", "yarn")
+    # The state of its recurrent (linear_attention) layers, by name in layers.STATES; its
+    # layer_types then say which layers are recurrent, and mlx-lm takes the period of their
+    # pattern as `full_attention_interval`.
+    recurrent: str | None = None
 
 
 _QWEN_MOE = {
@@ -60,6 +64,24 @@ _GLM_MOE = {
     "routed_scaling_factor": 1.0,
     "norm_topk_prob": True,
     "use_qk_norm": False,
+}
+
+
+_QWEN_NEXT = {
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    "layer_types": None,
 }
 
 
@@ -131,6 +153,7 @@ FAMILIES: dict[str, Family] = {
         window="layer_types",
         mlx_pattern=True,
     ),
+    "qwen3_next": Family(fields=_QWEN_NEXT, qk_norm=True, recurrent="gated_delta"),
     "gpt_oss": Family(
         fields={"num_local_experts": 128, "num_experts_per_tok": 4, "layer_types": None},
         qkv_bias=True,
@@ -150,7 +173,6 @@ REFUSED = {
     "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
     "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
     "description does not hold yet",
-    "qwen3_next": "its recurrent (gated delta net) layers' state does not travel yet",
     "qwen3_5": "its recurrent (gated delta net) layers' state does not travel yet",
     "qwen3_5_moe": "its recurrent (gated delta net) layers' state does not travel yet",
     "granitemoehybrid": "its recurrent (Mamba) layers' state does not travel yet",
@@ -168,22 +190,28 @@ def family(model_type: str | None) -> Family | None:
     return FAMILIES.get(model_type or "")
 
 
-def window_pattern(layer_types: tuple[str, ...]) -> int | None:
-    """The period P of a 'P-1 sliding layers, then one full' pattern (mlx-lm's
-    sliding_window_pattern), or None when the layers do not follow one."""
+def window_pattern(layer_types: tuple[str, ...], other: str = SLIDING) -> int | None:
+    """The period P of a 'P-1 sliding (or `other`) layers, then one full' pattern (mlx-lm's
+    sliding_window_pattern, full_attention_interval), or None when the layers follow none."""
     if FULL not in layer_types:
         return None
     p = layer_types.index(FULL) + 1
-    expected = tuple(FULL if (i + 1) % p == 0 else SLIDING for i in range(len(layer_types)))
+    expected = tuple(FULL if (i + 1) % p == 0 else other for i in range(len(layer_types)))
     return p if expected == layer_types else None
 
 
 def default_layer_types(model_type: str, n_layers: int, config: dict[str, Any]) -> tuple[str, ...]:
     """transformers' own layer_types when config.json has none (its config classes fill them
     from a pattern, and older files carry only the pattern)."""
-    pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+    other = LINEAR if FAMILIES[model_type].recurrent else SLIDING
+    pattern = (
+        config.get("sliding_window_pattern")
+        or config.get("_sliding_window_pattern")
+        or config.get("full_attention_interval")
+    )
     if pattern is None:
-        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "gpt_oss": 2}.get(model_type)
+        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "gpt_oss": 2,
+                   "qwen3_next": 4}.get(model_type)  # fmt: skip
     if not pattern:
         return (FULL,) * n_layers
-    return tuple(FULL if (i + 1) % int(pattern) == 0 else SLIDING for i in range(n_layers))
+    return tuple(FULL if (i + 1) % int(pattern) == 0 else other for i in range(n_layers))

@@ -157,6 +157,8 @@ def _rope(
 
 def _layer_types(arch: str, fam: families.Family, config: dict[str, Any], n: int):
     """Per layer type and the window W that sliding layers attend over (None: no window)."""
+    if fam.recurrent:
+        return _recurrent_layer_types(arch, config, n), None
     window = config.get("sliding_window")
     uses = {
         None: False,
@@ -180,6 +182,19 @@ def _layer_types(arch: str, fam: families.Family, config: dict[str, Any], n: int
             f"full); these layer_types follow none: {list(types)}"
         )
     return types, int(window)
+
+
+def _recurrent_layer_types(arch: str, config: dict[str, Any], n: int) -> tuple[str, ...]:
+    """A hybrid's layers: recurrent ones and full attention in mlx-lm's fixed pattern (every
+    P-th layer full: `full_attention_interval`)."""
+    types = tuple(config.get("layer_types") or families.default_layer_types(arch, n, config))
+    if len(types) != n or families.window_pattern(types, families.LINEAR) is None:
+        raise BadCheckpoint(
+            f"{arch}: mlx-lm runs P-1 {families.LINEAR!r} layers, then one "
+            f"{families.FULL!r}, repeated over all {n} layers; these layer_types follow no "
+            f"such pattern: {list(types)}"
+        )
+    return types
 
 
 def _family_fields(fam: families.Family, config: dict[str, Any], n_layers: int) -> dict:

@@ -28,6 +28,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SmolLM3Config,
 )
 
@@ -139,6 +140,15 @@ MORE_FAMILIES = {
     "cohere2": _family(Cohere2Config,
         **_SMALL, head_dim=16, logit_scale=0.3, sliding_window=WINDOW,
         layer_types=[S, F, S, F],
+    ),
+    # Qwen3-Next: gated delta net (recurrent) layers beside full attention every 2nd layer
+    # (mlx-lm's full_attention_interval), experts with a shared one, partial rotary.
+    "qwen3_next": _family(Qwen3NextConfig,
+        **_SMALL, **_MOE, num_experts=4, shared_expert_intermediate_size=32, head_dim=32,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=3, mlp_only_layers=[1],
+        norm_topk_prob=False, layer_types=["linear_attention", F] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
     ),
     # gpt-oss: sinks, biases, alternating windows, experts with their own activation, and
     # YaRN with truncate: false (the correction range's ends fall between pairs here).

@@ -26,6 +26,7 @@ _CONFIG_CLASSES = {
     "glm4": transformers.Glm4Config,
     "glm4_moe": transformers.Glm4MoeConfig,
     "gpt_oss": transformers.GptOssConfig,
+    "qwen3_next": transformers.Qwen3NextConfig,
     "smollm3": transformers.SmolLM3Config,
     "granite": transformers.GraniteConfig,
     "cohere": transformers.CohereConfig,
@@ -73,7 +74,10 @@ def test_the_family_fields_reach_mlx_lm(arch, checkpoint):
         got = tuple(got) if isinstance(got, list) else got
         assert got == value, f"{arch}.{key}: mlx-lm has {got!r}, the spec {value!r}"
     assert args.rope_theta == spec.rope_theta
-    if spec.layer_types:
+    if fam.recurrent:
+        period = families.window_pattern(spec.layer_types, families.LINEAR)
+        assert args.full_attention_interval == period == 2
+    elif spec.layer_types:
         if fam.mlx_pattern:
             assert args.sliding_window_pattern == families.window_pattern(spec.layer_types)
         else:
@@ -88,7 +92,7 @@ def test_check_passes_in_float32_with_bounded_logits(arch, checkpoint):
     report = run_check(ckpt, max_tokens=8)
     assert report.passed, [p.reason for p in report.failing]
     spec = load_spec(ckpt)
-    if spec.layer_types:  # a window per typed layer: below it, and past it on both sides
+    if spec.layer_types and spec.sliding_window:  # a window per typed layer: below, past it
         expected = (1, 40, 3 * WINDOW, 300)
     else:
         expected = (1, 40, WINDOW - 8) if spec.window_limit else (1, 40, 300)
@@ -140,7 +144,7 @@ def test_layer_types_and_the_local_rope_are_read_from_transformers_5_configs():
         ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
                                       "short_factor": [1.0], "long_factor": [1.0]}},
          "unsupported rope type 'longrope'"),
-        ("qwen3_moe", {"model_type": "qwen3_next"}, "unsupported architecture 'qwen3_next'"),
+        ("qwen3_moe", {"model_type": "granitemoehybrid"}, "unsupported architecture 'granitemoehybrid'"),
         ("gpt_oss", {"swiglu_limit": 5.0}, "fixes swiglu_limit at 7.0; this checkpoint has 5.0"),
         ("gpt_oss", {"attention_bias": False}, "always adds attention biases"),
         ("gpt_oss", {"tie_word_embeddings": True}, "output head of its own"),

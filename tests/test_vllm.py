@@ -279,3 +279,19 @@ def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny, tmp_path
     assert out.returncode != 0
     assert "dtype are set by exo-split" in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
+def test_a_hybrid_model_is_refused_before_vllm_starts(vllm_python, checkpoint):
+    """Qwen3-Next's recurrent layers keep their state in vLLM's state cache, which the
+    connector does not read: refused with the way out, before an engine is built."""
+    out = subprocess.run(
+        [vllm_python, "-m", "exo_split", "node", "--model", str(checkpoint("qwen3_next")),
+         "--backend", "vllm", "--no-mdns", "--host", "127.0.0.1", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "EXO_SPLIT_TOKEN": "t" * 32},
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "has recurrent layers" in out.stderr + out.stdout
+    assert "--backend torch" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr

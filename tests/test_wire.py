@@ -390,7 +390,14 @@ BAD_STREAMS = {
     "nonzero flags": (raw(Kind.HELLO, flags=0x80), "non-zero flags: expected 0, got 0x80"),
     "layer fields on HELLO": (raw(Kind.HELLO, layer=3), "HELLO: expected dtype, layer"),
     "LAYER without dtype": (raw_layer(0, 0, 4, dtype=0), "expected a tensor dtype"),
-    "LAYER n_tokens 0": (raw(Kind.LAYER, b"", dtype=2), "expected n_tokens >= 1, got 0"),
+    "LAYER n_tokens 0": (
+        raw(Kind.LAYER, b"", dtype=2),
+        "state after 0 tokens: expected a payload, got 0",
+    ),
+    "a state where KV is due": (
+        HELLO_FRAME + raw(Kind.LAYER, b"\0" * 8, dtype=2),
+        "expected [0, 4), got LAYER 0 state after 0 tokens",
+    ),
     "LAYER before HELLO": (raw_layer(0, 0, 4), "after nothing: expected HELLO, got LAYER 0"),
     "TOKEN before HELLO": (frame_bytes(encode_token(1, 0.0)), "expected HELLO, got TOKEN"),
     "two HELLOs": (HELLO_FRAME * 2, "(HELLO twice): expected LAYER 0 tokens [0, 4), got HELLO"),

@@ -34,12 +34,14 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.utils import load_model
 
 from exo_split import families
-from exo_split.backends import mlx_decode
+from exo_split.backends import mlx_cache, mlx_decode
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
 from exo_split.backends.mlx_adapt import exact_embedding_scale, model_classes, untruncated_yarn
 from exo_split.backends.mlx_batch import Batcher
+from exo_split.backends.mlx_cache import StreamingKVCache, evaluated, is_state, streaming
 from exo_split.errors import BadCheckpoint
 from exo_split.kv import LayerKV, chunk_sizes, window_floor
+from exo_split.layers import LINEAR, LayerState
 from exo_split.spec import ModelSpec, Quantization, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -89,62 +91,13 @@ def _mlx_config(spec: ModelSpec) -> dict:
         out["sliding_window"] = spec.sliding_window
     if spec.layer_types:
         out["layer_types"] = list(spec.layer_types)
+        if fam.recurrent:
+            out["full_attention_interval"] = families.window_pattern(
+                spec.layer_types, families.LINEAR
+            )
         if fam.mlx_pattern:
             out["sliding_window_pattern"] = families.window_pattern(spec.layer_types)
     return out
-
-
-class _StreamingKVCache(KVCache):
-    """A KVCache that shows each layer's new K/V to a hook before writing them.
-
-    `computed`: (end position, time) of each piece a prefill wrote, for `stream_kv`.
-    `base`: the position slot 0 holds. A sliding layer received from a remote prefill keeps
-    only its window: positions [base, offset) in slots [0, offset - base), `offset` staying
-    the absolute position (the RoPE offset), and the mask saying which slots each query sees.
-    """
-
-    def __init__(self, layer: int, hook: Callable[[int, mx.array, mx.array], None], base: int = 0):
-        super().__init__()
-        self.layer = layer
-        self.hook: Callable | None = hook
-        self.computed: list[tuple[int, float]] = []
-        self.base = self.offset = base
-
-    def update_and_fetch(self, keys, values):
-        if self.hook is not None:
-            self.hook(self.layer, keys, values)
-        if not self.base:
-            return super().update_and_fetch(keys, values)
-        self.offset -= self.base  # KVCache's own writing and growth, in slot space
-        try:
-            return super().update_and_fetch(keys, values)
-        finally:
-            self.offset += self.base
-
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
-        if not self.base:
-            return super().make_mask(N, window_size=window_size, return_array=return_array)
-        q = mx.arange(self.offset, self.offset + N)[:, None]  # the queries' positions
-        k = mx.arange(self.base, self.offset + N)[None]  # the slots' positions
-        mask = k <= q
-        return mask & (k > q - window_size) if window_size else mask
-
-    def slots(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        """K and V [1, heads, end - start, dim] of positions [start, end) (>= base)."""
-        if start < self.base:
-            raise ValueError(f"layer {self.layer} keeps positions from {self.base}, not {start}")
-        a, b = start - self.base, end - self.base
-        return self.keys[:, :, a:b], self.values[:, :, a:b]
-
-
-def _streaming(c: KVCache, layer: int, hook) -> _StreamingKVCache:
-    """A cache layer that calls `hook`: the same arrays (no copy) in a _StreamingKVCache."""
-    if not isinstance(c, _StreamingKVCache):
-        s = _StreamingKVCache(layer, hook)
-        s.keys, s.values, s.offset = c.keys, c.values, c.offset
-        return s
-    c.hook = hook
-    return c
 
 
 def _starts(first: int, sizes: Sequence[int]) -> list[int]:
@@ -212,18 +165,29 @@ class MLXBackend:
                              self.dtype, at)  # fmt: skip
                 on_layer(kv)
 
+        def state_hook(c) -> None:  # a recurrent layer has consumed a chunk
+            if should_stop is not None and should_stop():
+                raise Cancelled(f"prefill cancelled at layer {c.layer}")
+            mx.eval(c.arrays)
+            c.computed.append((c.offset, clock()))
+            if on_layer is not None and c.offset == n:  # its state, once, after the prompt
+                on_layer(mlx_cache.piece(c, self.spec, self.dtype, host_view, c.computed[-1][1]))
+
         if cache is None:
-            cache = [_StreamingKVCache(i, hook) for i in range(self.spec.n_layers)]
+            cache = [self._layer(i, lambda i=i: StreamingKVCache(i, hook), state_hook)
+                     for i in range(self.spec.n_layers)]  # fmt: skip
             if capacity:
                 self._preallocate(cache, capacity)
         else:
-            cache = [_streaming(c, i, hook) for i, c in enumerate(cache)]
+            cache = [streaming(c, i, hook, state_hook) for i, c in enumerate(cache)]
             self.reserve(cache, max(n, capacity or 0))
         cached = self.cache_len(cache)
         if not (0 <= emit_from < n and cached < n):
             raise ValueError(f"need emit_from ({emit_from}) < n ({n}) and cached ({cached}) < n")
         if on_layer is not None and emit_from < cached:  # the cached part the receiver lacks
             for i, c in enumerate(cache):
+                if is_state(c):
+                    raise ValueError("a recurrent layer's state cannot be resent for a prefix")
                 k, v = (to_numpy(a[0]) for a in c.slots(emit_from, cached))
                 on_layer(LayerKV(i, emit_from, k, v, self.dtype, clock()))
         ids = mx.array([[int(t) for t in token_ids]])
@@ -235,10 +199,10 @@ class MLXBackend:
                 # the last position's logits are ever computed, by the last (1-position) chunk.
                 out = self.model(ids[:, start : start + size], cache=cache)
                 if start + size < n:
-                    mx.eval([(c.keys, c.values) for c in cache])
+                    mx.eval(evaluated(cache))
                     mx.clear_cache()  # this chunk's activations, before the next one's
             logits = out[0, -1]  # [vocab]
-            mx.eval(logits, [(c.keys, c.values) for c in cache])
+            mx.eval(logits, evaluated(cache))
         finally:
             for c in cache:
                 c.hook = None
@@ -271,6 +235,10 @@ class MLXBackend:
             for i, c in enumerate(cache):
                 if should_stop is not None and should_stop():
                     raise Cancelled(f"streaming cancelled at layer {i}")
+                if is_state(c):  # its state, in the last chunk
+                    if end == n:
+                        on_layer(mlx_cache.piece(c, self.spec, self.dtype, host_view, None))
+                    continue
                 stamps = getattr(c, "computed", [])
                 j = bisect.bisect_left([e for e, _ in stamps], end)  # the piece holding end - 1
                 at = stamps[j][1] if j < len(stamps) else None
@@ -280,12 +248,15 @@ class MLXBackend:
 
     def _preallocate(self, cache: list[KVCache], capacity: int) -> None:
         """Room for positions up to `capacity` (a windowed layer: from its base on)."""
-        for c in cache:
+        for c in (c for c in cache if not is_state(c)):
             slots = _round_up(capacity - getattr(c, "base", 0), KVCache.step)
             shape = (1, self.spec.n_kv_heads, slots, self.spec.head_dim)
             c.keys = mx.zeros(shape, _MX_DTYPES[self.dtype])
             c.values = mx.zeros(shape, _MX_DTYPES[self.dtype])
-        mx.eval([(c.keys, c.values) for c in cache])
+        mx.eval(evaluated(cache))
+
+    def _layer(self, i: int, kv_layer, state_hook=None):
+        return mlx_cache.new_layer(self.spec, i, kv_layer, self.dtype, state_hook)
 
     @property
     def window_keep(self) -> tuple[int | None, ...]:
@@ -297,7 +268,7 @@ class MLXBackend:
         filled with a prompt of that length (received or injected, not computed here), so a
         sliding layer holds only the window's last positions of it, from its floor on."""
         keep = self.window_keep if prompt_len else ()
-        cache = [_StreamingKVCache(i, None, window_floor(keep, i, prompt_len or 0))
+        cache = [self._layer(i, lambda i=i: StreamingKVCache(i, None, window_floor(keep, i, prompt_len or 0)))
                  for i in range(self.spec.n_layers)]  # fmt: skip
         self._preallocate(cache, capacity)
         return cache
@@ -308,8 +279,10 @@ class MLXBackend:
         keep = self.window_keep
         return max((c.base + keep[i] for i, c in enumerate(cache) if c.base), default=0)
 
-    def inject(self, cache: list[KVCache], kv: LayerKV) -> None:
+    def inject(self, cache: list[KVCache], kv: LayerKV | LayerState) -> None:
         c = cache[kv.layer]
+        if isinstance(kv, LayerState):
+            return mlx_cache.inject(c, kv, self.dtype)
         if kv.token_start != c.offset:
             raise ValueError(
                 f"layer {kv.layer}: piece starts at {kv.token_start}, cache at {c.offset}"
@@ -331,6 +304,9 @@ class MLXBackend:
         touches the cache; `receive_done` ends it."""
         out = []
         for c in cache:
+            if is_state(c):
+                out.append(mlx_cache.views(c))
+                continue
             k, v = c.keys, c.values
             if k.dtype == mx.bfloat16:
                 k, v = k.view(mx.uint16), v.view(mx.uint16)
@@ -356,10 +332,11 @@ class MLXBackend:
         return mlx_decode.decode_steps(self.model, cache, first_token, **kw)
 
     def batcher(self) -> Batcher | None:
-        """A decode batch for this model (backends/mlx_batch.py); None with sliding layers."""
-        if any(k is not None for k in self.window_keep):
+        """A decode batch for this model (backends/mlx_batch.py); None with sliding or recurrent
+        layers (each such request decodes on its own)."""
+        if any(k is not None for k in self.window_keep) or LINEAR in self.spec.layer_types:
             return None
-        return Batcher(self.model, lambda i: _StreamingKVCache(i, None))
+        return Batcher(self.model, lambda i: StreamingKVCache(i, None))
 
     def memory(self) -> dict:
         return {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(),
@@ -377,6 +354,9 @@ class MLXBackend:
     def export(self, cache: list[KVCache]) -> list[LayerKV]:
         out = []
         for i, c in enumerate(cache):
+            if is_state(c):
+                out.append(mlx_cache.piece(c, self.spec, self.dtype, to_numpy, None))
+                continue
             k, v = c.slots(c.base, c.offset)
             out.append(LayerKV(i, c.base, to_numpy(k[0]), to_numpy(v[0]), self.dtype))
         return out
@@ -388,17 +368,19 @@ class MLXBackend:
 
     def trim(self, cache: list[KVCache], n: int) -> None:
         for c in cache:
+            if is_state(c) and n != c.offset:
+                c.trim(c.offset - n)  # only a last step can be taken back (ValueError)
             if not c.base <= n <= c.offset:
                 raise ValueError(f"cannot trim a layer of positions [{c.base}, {c.offset}) to {n}")
             c.offset = n  # the bytes past it stay, to be overwritten by the next write
-            if isinstance(c, _StreamingKVCache):
+            if isinstance(c, StreamingKVCache):
                 c.computed = [(e, t) for e, t in c.computed if e <= n]
 
     def reserve(self, cache: list[KVCache], capacity: int) -> None:
         """Room for `capacity` positions: one copy of each layer that is smaller (mlx-lm
         would grow 256 positions at a time, a copy each)."""
         grew = []
-        for c in cache:
+        for c in (c for c in cache if not is_state(c)):
             held = c.offset - c.base  # slots in use
             if c.keys is not None and c.keys.shape[2] >= capacity - c.base:
                 continue
@@ -409,10 +391,12 @@ class MLXBackend:
                 c.values[..., :held, :] = old[1][..., :held, :]
             grew.append(c)
         if grew:
-            mx.eval([(c.keys, c.values) for c in grew])
+            mx.eval(evaluated(grew))
 
     def fork(self, cache: list[KVCache], n: int, capacity: int) -> list[KVCache]:
-        out = [_StreamingKVCache(i, None, c.base) for i, c in enumerate(cache)]
+        if any(map(is_state, cache)):
+            raise ValueError("a recurrent layer's state cannot be cut back to a prefix")
+        out = [StreamingKVCache(i, None, c.base) for i, c in enumerate(cache)]
         self._preallocate(out, max(capacity, n))
         for src, dst in zip(cache, out, strict=True):
             k, v = src.slots(src.base, n)
@@ -423,7 +407,8 @@ class MLXBackend:
         return out
 
     def cache_nbytes(self, cache: list[KVCache]) -> int:
-        return sum(c.keys.nbytes + c.values.nbytes for c in cache if c.keys is not None)
+        return sum(c.nbytes if is_state(c) else c.keys.nbytes + c.values.nbytes
+                   for c in cache if is_state(c) or c.keys is not None)  # fmt: skip
 
 
 def load(

@@ -29,6 +29,7 @@ from mlx.utils import tree_reduce
 from mlx_lm.models.cache import KVCache
 
 from exo_split.backends.base import Constraint, DecodeStats, take
+from exo_split.backends.mlx_cache import is_state, new_layer
 from exo_split.sampling import Adjust, Sampling, logprobs_of, pick, uniform
 
 ULP = 2.0**-24  # float32's unit roundoff
@@ -48,6 +49,7 @@ WARM_KEY_LENGTHS = (256, 2048)
 WARM_STEPS = 3
 
 _streams: dict[str, mx.Stream] = {}
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 def decode_stream() -> mx.Stream:
@@ -388,9 +390,12 @@ def scratch_cache(spec, dtype: mx.Dtype, offset: int, room: int) -> list[KVCache
     size = -(-(offset + room) // KVCache.step) * KVCache.step
     shape = (1, spec.n_kv_heads, size, spec.head_dim)
     cache = []
-    for _ in range(spec.n_layers):
-        c = KVCache()
-        c.keys, c.values, c.offset = mx.zeros(shape, dtype), mx.zeros(shape, dtype), offset
+    for i in range(spec.n_layers):
+        c = new_layer(spec, i, KVCache, _DTYPE_NAMES[dtype])
+        if is_state(c):
+            c.offset = offset
+        else:
+            c.keys, c.values, c.offset = mx.zeros(shape, dtype), mx.zeros(shape, dtype), offset
         cache.append(c)
     return cache
 

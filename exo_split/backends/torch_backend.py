@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from exo_split.backends import torch_state
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled, serial_decode
 from exo_split.backends.staged import StagedBackend
 from exo_split.backends.torch_staging import (
@@ -35,6 +36,7 @@ from exo_split.backends.torch_staging import (
 )
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV
+from exo_split.layers import LayerState, recurrent_layers, state_arrays
 from exo_split.spec import ModelSpec, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ class TorchBackend(StagedBackend):
         step = chunk or (n - k)
         stager = self._stager(clock, on_layer, should_stop) if on_layer else None
         if stager is not None and emit_from < k:  # the cached part the receiver lacks
+            if cache.kv_layers != cache.layers:
+                raise ValueError("a recurrent layer's state cannot be resent for a prefix")
             held = clock.record()
             for layer, buffers in enumerate(lay.buffers for lay in cache.layers):
                 stager.put(layer, emit_from, k - emit_from, held, buffers)
@@ -135,9 +139,18 @@ class TorchBackend(StagedBackend):
             if stager is not None and lo < start + count:
                 stager.put(layer, lo, start + count - lo, event, cache.layers[layer].buffers)
 
-        cache.hook = hook
+        last = [False]
+
+        def state_hook(layer: int) -> None:  # compute thread, after a recurrent layer's step
+            if should_stop is not None and should_stop():
+                raise Cancelled(f"prefill cancelled at layer {layer}")
+            if stager is not None and last[0]:  # its state, once the whole prompt is in
+                stager.put_ready(self._state_piece(cache, layer, n))
+
+        cache.hook, cache.state_hook = hook, state_hook
         try:
             for start in range(k, n, step):
+                last[0] = start + step >= n
                 logits = self._run(ids[:, start : start + step], cache)
             end = clock.record()
             logits = logits.float().cpu().numpy()  # waits for the device
@@ -151,7 +164,7 @@ class TorchBackend(StagedBackend):
             self.ops.drain()  # the queued device work: at most run_ahead pieces
             raise
         finally:
-            cache.hook = None
+            cache.hook = cache.state_hook = None
         for m in cache.marks:
             if not isinstance(m.at, float):  # this run's events (a reused cache's are seconds)
                 m.at = clock.seconds(m.at)
@@ -181,6 +194,10 @@ class TorchBackend(StagedBackend):
             for start in range(start_pos, n, step):
                 count = min(step, n - start)
                 for layer, (ends, ats) in enumerate(stamps):
+                    if torch_state.is_state(cache.layers[layer]):  # its state, in the last chunk
+                        if start + count == n:
+                            stager.put_ready(self._state_piece(cache, layer, n))
+                        continue
                     i = bisect.bisect_left(
                         ends, start + count
                     )  # the piece holding the last position
@@ -198,10 +215,18 @@ class TorchBackend(StagedBackend):
         """`prompt_len` is accepted and ignored: this cache holds all of every layer."""
         shape = (self.spec.n_kv_heads, max(1, capacity), self.spec.head_dim)
         return PreallocatedCache(self.spec.n_layers, shape, _TORCH_DTYPES[self.dtype],
-                                 self.torch_device, adopt=self.ops.adopt)  # fmt: skip
+                                 self.torch_device, adopt=self.ops.adopt,
+                                 recurrent=recurrent_layers(self.spec))  # fmt: skip
+
+    def _state_piece(self, cache: PreallocatedCache, layer: int, n: int) -> LayerState:
+        return torch_state.piece(cache.layers[layer], layer, n, state_arrays(self.spec),
+                                 self.dtype, to_numpy)  # fmt: skip
 
     @torch.inference_mode()
-    def inject(self, cache: PreallocatedCache, kv: LayerKV) -> None:
+    def inject(self, cache: PreallocatedCache, kv: LayerKV | LayerState) -> None:
+        if isinstance(kv, LayerState):
+            return torch_state.inject(cache.layers[kv.layer], kv, self.torch_device,
+                                      _TORCH_DTYPES[self.dtype], from_numpy)  # fmt: skip
         k = from_numpy(kv.k, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         v = from_numpy(kv.v, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         cache.update(k[None], v[None], kv.layer)
@@ -235,17 +260,22 @@ class TorchBackend(StagedBackend):
     def export(self, cache: PreallocatedCache) -> list[LayerKV]:
         out = []
         for i, layer in enumerate(cache.layers):
+            if torch_state.is_state(layer):
+                out.append(self._state_piece(cache, i, self.cache_len(cache)))
+                continue
             k, v = layer.keys[0].contiguous().cpu(), layer.values[0].contiguous().cpu()
             out.append(LayerKV(i, 0, to_numpy(k), to_numpy(v), self.dtype))
         return out
 
     def cache_len(self, cache: PreallocatedCache) -> int:
-        return min(layer.length for layer in cache.layers)
+        return min(layer.length for layer in cache.kv_layers)
 
     # ---- prefix reuse (node/prefix.py): only lengths move, or one copy ----
 
     def trim(self, cache: PreallocatedCache, n: int) -> None:
-        for layer in cache.layers:
+        if cache.kv_layers != cache.layers and n != self.cache_len(cache):
+            raise ValueError("a recurrent layer's state cannot be cut back to a prefix")
+        for layer in cache.kv_layers:
             if n > layer.length:
                 raise ValueError(f"cannot trim a layer of {layer.length} positions to {n}")
             kb, vb = layer.buffers
@@ -257,7 +287,7 @@ class TorchBackend(StagedBackend):
     def reserve(self, cache: PreallocatedCache, capacity: int) -> None:
         """Exactly `capacity` positions for a layer that has fewer (the layer itself would
         double its capacity: a cached entry would keep the unused half)."""
-        for layer in cache.layers:
+        for layer in cache.kv_layers:
             if layer.capacity < capacity:
                 grown = []
                 for b in layer.buffers:
@@ -270,6 +300,8 @@ class TorchBackend(StagedBackend):
 
     @torch.inference_mode()
     def fork(self, cache: PreallocatedCache, n: int, capacity: int) -> PreallocatedCache:
+        if cache.kv_layers != cache.layers:
+            raise ValueError("a recurrent layer's state cannot be cut back to a prefix")
         out = self.new_cache(max(capacity, n))
         for src, dst in zip(cache.layers, out.layers, strict=True):
             for s, d in zip(src.buffers, dst.buffers, strict=True):
@@ -279,7 +311,9 @@ class TorchBackend(StagedBackend):
         return out
 
     def cache_nbytes(self, cache: PreallocatedCache) -> int:
-        return sum(b.numel() * b.element_size() for layer in cache.layers for b in layer.buffers)
+        states = sum(layer.nbytes for layer in cache.layers if torch_state.is_state(layer))
+        return states + sum(b.numel() * b.element_size() for layer in cache.kv_layers
+                            for b in layer.buffers)  # fmt: skip
 
 
 def _device(name: str) -> torch.device:

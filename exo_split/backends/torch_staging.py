@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from exo_split.backends.base import Cancelled, OnLayer
+from exo_split.backends.torch_state import StateLayer, is_state
 from exo_split.kv import LayerKV, storage_dtype
 
 log = logging.getLogger(__name__)
@@ -326,10 +327,14 @@ class PreallocatedCache(Cache):
     start, n)` runs on the compute thread right after a layer wrote positions [start, start + n);
     `marks` keeps when each piece was computed (for `stream_kv` after the prefill)."""
 
-    def __init__(self, n_layers: int, shape: tuple[int, int, int], dtype, device, adopt=None):
+    def __init__(self, n_layers: int, shape: tuple[int, int, int], dtype, device, adopt=None,
+                 recurrent: tuple[int, ...] = ()):  # fmt: skip
         heads, capacity, head_dim = shape
         layers = []
-        for _ in range(n_layers):
+        for i in range(n_layers):
+            if i in recurrent:  # transformers' own linear-attention layer (torch_state.py)
+                layers.append(StateLayer())
+                continue
             kv = [torch.empty((1, heads, capacity, head_dim), dtype=dtype, device=device)
                   for _ in range(2)]  # fmt: skip
             if adopt is not None:
@@ -338,7 +343,18 @@ class PreallocatedCache(Cache):
             layers.append(PreallocatedLayer(*kv))
         super().__init__(layers=layers)
         self.hook: Callable[[int, int, int], None] | None = None
+        self.state_hook: Callable[[int], None] | None = None  # after a recurrent layer's step
         self.marks: list[Mark] = []
+
+    @property
+    def kv_layers(self) -> list[PreallocatedLayer]:
+        return [layer for layer in self.layers if not is_state(layer)]
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, *args, **kwargs):
+        out = super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+        if self.state_hook is not None:
+            self.state_hook(layer_idx)
+        return out
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start = self.layers[layer_idx].length
@@ -394,6 +410,16 @@ class Stager:
             self._thread = threading.Thread(target=self._run, name="kv-stager", daemon=True)
             self._thread.start()
 
+    def put_ready(self, piece) -> None:
+        """A piece already on the host (a recurrent layer's state): to `on_layer` in its turn,
+        after the jobs put before it."""
+        if self.error is not None:
+            raise self.error
+        if self._thread is not None:
+            self._jobs.put(piece)
+        else:
+            self.on_layer(piece)
+
     def put(self, layer: int, start: int, n: int, event, buffers, computed_at=None,
             base: int = 0) -> None:  # fmt: skip
         if self.error is not None:
@@ -434,7 +460,10 @@ class Stager:
             if self.error is not None or self._aborted:
                 continue  # drain to the end marker
             try:
-                self._stage(job)
+                if isinstance(job, _Job):
+                    self._stage(job)
+                else:
+                    self.on_layer(job)
             except BaseException as exc:  # re-raised on the compute thread
                 self.error = exc
 

@@ -34,6 +34,7 @@ from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, pre
 from exo_split.discovery.peers import ROLES, peer_url
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
+from exo_split.layers import recurrent_layers
 from exo_split.node import policy
 from exo_split.node.capabilities import probe_link, save_cached, startup_speeds
 from exo_split.node.decode import Coordinator
@@ -136,9 +137,11 @@ class Node:
             never_publish=[config.token],
             on_change=self._refresh_info,
         )
-        # One prefix cache for both roles: prompts prefilled here, conversations decoded here.
+        # One prefix cache for both roles: prompts prefilled here, conversations decoded here;
+        # none for a hybrid model (a recurrent layer's state cannot be cut to a prefix).
         self.prefix = None
-        if config.prefix_cache_bytes > 0 and not getattr(self.backend, "own_prefix_cache", False):
+        if (config.prefix_cache_bytes > 0 and not recurrent_layers(self.spec)
+                and not getattr(self.backend, "own_prefix_cache", False)):  # fmt: skip
             self.prefix = PrefixCache(self.backend, limit_bytes=config.prefix_cache_bytes)
         self.coordinator = _Coordinator(
             self.backend,
@@ -187,9 +190,8 @@ class Node:
             fingerprint=self.spec.fingerprint,
             prefill_tps=self.learned.local.headline(),
             decode_tps=self.speeds.decode_tps if self.speeds else None,
-            quantization=self.quantization.tag
-            if self.quantization is not None
-            else getattr(self.backend, "quantization_tag", None),  # vllm: "vllm:fp8"
+            quantization=getattr(self.quantization, "tag", None)  # ours, or vLLM's "vllm:fp8"
+            or getattr(self.backend, "quantization_tag", None),
             # vLLM prefills only: the decode node decodes (backends/vllm_backend.py)
             roles=("prefill",) if getattr(self.backend, "prefill_only", False) else ROLES,
         )

@@ -31,6 +31,7 @@ import numpy as np
 
 from exo_split.backends.base import Backend, Cancelled
 from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
+from exo_split.layers import recurrent_layers
 from exo_split.node.prefix import Checkout, PrefixCache
 from exo_split.sampling import sample
 from exo_split.transport import wire
@@ -176,6 +177,8 @@ class _Frames:
             self._parts.append(_Part(kv, lambda p: self.budget.release(p.kv.nbytes)))
         self._pos = kv.token_start + kv.n_tokens
         self.stamps["compute_done"][index] = computed_at
+        if n == 0:  # a recurrent layer's state: one frame, its arrays whole
+            self._send(index, layer, start, 0, last=True)
         while self._frame_start < self._pos:
             s, m = self._frame_start, min(self.plan.frame_tokens, start + n - self._frame_start)
             if s + m > self._pos:
@@ -185,15 +188,19 @@ class _Frames:
 
     def _send(self, index: int, layer: int, s: int, m: int, last: bool) -> None:
         parts = [p for p in self._parts if p.end > s and p.kv.token_start < s + m]
-        blocks = [
-            _block(getattr(p.kv, which), h, max(s, p.kv.token_start) - p.kv.token_start,
-                   min(s + m, p.end) - p.kv.token_start)
-            for which in ("k", "v")
-            for h in range(parts[0].kv.k.shape[0])
-            for p in parts
-        ]  # fmt: skip
+        if m == 0:
+            parts = [p for p in self._parts if p.kv.n_tokens == 0]
+            blocks = list(parts[0].kv.buffers())
+        else:
+            blocks = [
+                _block(getattr(p.kv, which), h, max(s, p.kv.token_start) - p.kv.token_start,
+                       min(s + m, p.end) - p.kv.token_start)
+                for which in ("k", "v")
+                for h in range(parts[0].kv.k.shape[0])
+                for p in parts
+            ]  # fmt: skip
         done_with = [p for p in parts if p.end <= s + m]
-        self._parts = [p for p in self._parts if p.end > s + m]
+        self._parts = [p for p in self._parts if p not in done_with]
         assert self._piece is not None
         first = s == self._piece[2]
 
@@ -293,7 +300,7 @@ async def stream_prefill(
     ring_limit = getattr(backend, "frame_positions_limit", lambda: None)()
     if ring_limit is not None:  # frames the staging ring can fill (docs/protocol.md)
         frame_tokens = min(frame_tokens, ring_limit)
-    plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep)
+    plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep, recurrent_layers(spec))
     progress.total = spec.n_layers * len(compute)
     sender = FrameSender(sock, on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)

@@ -20,6 +20,7 @@ import numpy as np
 from exo_split.backends.base import Backend
 from exo_split.errors import ProtocolError
 from exo_split.kv import LayerKV
+from exo_split.layers import LayerState, state_arrays
 from exo_split.transport.decoder import Frame
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ class CacheViews:
 
     def blocks(self, layer: int, token_start: int, n_tokens: int) -> Sequence[memoryview]:
         """Where positions [token_start, +n_tokens) of `layer` land: slot = position - base
-        (a layer that keeps a window holds it from its base on)."""
+        (a layer that keeps a window holds it from its base on). n_tokens 0: a recurrent
+        layer's state, its arrays whole."""
+        if n_tokens == 0:
+            return [memoryview(a).cast("B") for a in self.views[layer]]
         k, v = self.views[layer]
         a = token_start - self.bases[layer]
         if a < 0:
@@ -48,16 +52,14 @@ class CacheViews:
                 for h in range(x.shape[0])]  # fmt: skip
 
 
-def _addresses(views: Views) -> list[tuple[int, int]]:
-    return [(k.ctypes.data, v.ctypes.data) for k, v in views]
+def _addresses(views: Views) -> list[tuple[int, ...]]:
+    return [tuple(a.ctypes.data for a in layer) for layer in views]
 
 
 def _usable(views: Views | None, again: Views | None) -> bool:
     if not views or again is None or _addresses(views) != _addresses(again):
         return False
-    return all(
-        a.flags.writeable and a.flags.c_contiguous and a.ndim == 3 for kv in views for a in kv
-    )
+    return all(a.flags.writeable and a.flags.c_contiguous for kv in views for a in kv)
 
 
 class Sink:
@@ -83,6 +85,10 @@ class Sink:
             return
         h, spec = frame.header, self.backend.spec
         try:
+            if h.n_tokens == 0:  # a recurrent layer's state
+                st = LayerState.from_bytes(h.layer, h.token_start, state_arrays(spec),
+                                           self.backend.dtype, frame.payload)  # fmt: skip
+                return await run(self.backend.inject, self.cache, st)
             kv = LayerKV.from_bytes(
                 h.layer, h.token_start, h.n_tokens, spec.n_kv_heads, spec.head_dim,
                 self.backend.dtype, frame.k, frame.v,

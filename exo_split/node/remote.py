@@ -12,6 +12,7 @@ import time
 import uuid
 
 from exo_split.errors import PeerBusy, PeerUnavailable, ProtocolError
+from exo_split.layers import state_bytes
 from exo_split.node.receive import open_sink
 from exo_split.node.timing import Piece, Remote
 from exo_split.spec import ModelSpec, require_compatible
@@ -73,7 +74,8 @@ class RemotePull:
         ).to_json()
         spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
                                wire.WireDtype.from_name(self.backend.dtype), len(ids),
-                               self.max_frame_bytes, start, keep)  # fmt: skip
+                               self.max_frame_bytes, start, keep,
+                               state_bytes(self.spec, self.backend.dtype))  # fmt: skip
         pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()
@@ -90,7 +92,8 @@ class RemotePull:
                         await sink.landed(frame, self._run)
                         if frame.last:  # a whole (chunk, layer) piece is in the cache
                             layer, start, n = pieces[frame.piece]
-                            piece = Piece(layer, start, n, spec.layer_payload_len(n))
+                            size = spec.layer_payload_len(n) if n else spec.state_bytes[layer]
+                            piece = Piece(layer, start, n, size)
                             remote.received.append((piece, now))
                             remote.injected.append(clock())
                             progress = {"type": "progress", "layer": layer,

@@ -37,7 +37,7 @@ from exo_split.transport.wire import (
 class Destination(Protocol):
     def blocks(self, layer: int, token_start: int, n_tokens: int) -> Sequence[memoryview]:
         """Writable byte views whose concatenation receives a LAYER payload (K's heads, then
-        V's)."""
+        V's; n_tokens 0: the layer's state arrays)."""
         ...
 
 
@@ -263,6 +263,8 @@ class FrameDecoder:
     def _expecting(self) -> str:
         if self._expect is Kind.LAYER and self._next is not None:
             _, layer, start, n = self._next
+            if n == 0:
+                return f"LAYER {layer} state after {start} tokens"
             return f"LAYER {layer} tokens [{start}, {start + n})"
         return self._expect.name if self._expect is not None else "EOF"
 
@@ -300,7 +302,15 @@ class FrameDecoder:
                  h.dtype.name)  # fmt: skip
         got = f"[{h.token_start}, {h.token_start + h.n_tokens})"
         what = f"wrong token range on LAYER {layer} after {self._last}"
-        _require((h.token_start, h.n_tokens) == (start, n), what, f"[{start}, {start + n})", got)
+        want = f"its state after {start} tokens" if n == 0 else f"[{start}, {start + n})"
+        if n == 0 or h.n_tokens == 0:
+            got = h.describe()
+        _require((h.token_start, h.n_tokens) == (start, n), what, want, got)
+        if n == 0:
+            size = spec.state_bytes[layer]
+            what = f"wrong payload_len on {h.describe()}"
+            _require(h.payload_len == size, what, f"{size} (its state arrays)", h.payload_len)
+            return
         size = spec.layer_payload_len(n)
         shape = f"2 x {spec.n_kv_heads} heads x {n} tokens x {spec.head_dim} dims"
         what = f"wrong payload_len on {h.describe()}"
@@ -342,7 +352,7 @@ class FrameDecoder:
             self._expect = Kind.TOKEN
         last = self._next is None or self._next[0] != piece
         k = v = None
-        if payload is not None:
+        if payload is not None and h.n_tokens:
             view, half = memoryview(payload), len(payload) // 2
             k, v = view[:half], view[half:]
         return Frame(h, payload, k=k, v=v, piece=piece, last=last, crc=pending)
@@ -356,7 +366,7 @@ def decode_frame(buf: Buffer) -> Frame:
     _require(len(view) == size, f"frame size of {header.describe()}", size, len(view))
     payload = bytearray(view[HEADER_SIZE:])
     check_crc(header, crc32(payload))
-    if header.kind is Kind.LAYER:
+    if header.kind is Kind.LAYER and header.n_tokens:
         half = len(payload) // 2
         return Frame(header, payload, k=memoryview(payload)[:half], v=memoryview(payload)[half:])
     if header.kind is Kind.TOKEN:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from exo_split.errors import ExoSplitError
 from exo_split.kv import itemsize, window_floor
+from exo_split.layers import state_bytes
 from exo_split.spec import ModelSpec
 from exo_split.transport.messages import PrefillRequest
 from exo_split.transport.wire import DEFAULT_MAX_FRAME_BYTES
@@ -162,11 +163,13 @@ def decode_kv_bytes(
     plus `staging`: received frames waiting to be copied in, for a backend that cannot hand
     out its cache's memory (0 when frames land in the cache itself). `keep`: per layer, the
     prompt's last positions a received cache keeps (the backend's window_keep; empty: all),
-    so a sliding layer holds its window and the reply, not the whole prompt."""
+    so a sliding layer holds its window and the reply, not the whole prompt. A recurrent
+    layer holds its state, of one size at every length (layers.py)."""
     capacity = prompt_len + max_tokens
+    states = state_bytes(spec, dtype)
     positions = sum(capacity - window_floor(keep, layer, prompt_len)
-                    for layer in range(spec.n_layers))  # fmt: skip
-    return kv_bytes(spec, positions, dtype, layers=1) + staging
+                    for layer in range(spec.n_layers) if not (states and states[layer]))  # fmt: skip
+    return kv_bytes(spec, positions, dtype, layers=1) + sum(states) + staging
 
 
 class Guard:

@@ -11,13 +11,15 @@ little-endian header (``HEADER``) followed by ``payload_len`` bytes of payload:
     7      1    flags        reserved, must be 0
     8      4    layer        u32 layer index (LAYER), else 0
     12     4    token_start  u32 first prompt position the KV covers (LAYER), else 0
-    16     4    n_tokens     u32 number of positions (LAYER, >= 1), else 0
+    16     4    n_tokens     u32 number of positions (LAYER: >= 1; 0: a recurrent layer's
+                                 state, token_start then the prompt length), else 0
     20     8    payload_len  u64 bytes of payload after the header
     28     4    crc32        u32 CRC-32 (zlib's) of the payload
 
 Payloads: HELLO, END and ERROR carry one UTF-8 JSON object (ERROR: string "code" and
 "message"). LAYER carries K then V, each [n_kv_heads, n_tokens, head_dim] row-major in the
-frame's dtype (bfloat16 as raw 16-bit words). TOKEN is "<If": the first generated token id
+frame's dtype (bfloat16 as raw 16-bit words); a state frame (n_tokens 0) carries the layer's
+state arrays as layers.py describes them, in order (the KV dtype's, then float32 ones). TOKEN is "<If": the first generated token id
 and its logprob.
 
 Stream: HELLO, which announces the `Plan`; then exactly the Plan's LAYER frames (chunk-major,
@@ -132,7 +134,9 @@ class FrameHeader:
         name, size = self.describe(), self.payload_len
         if self.kind is Kind.LAYER:
             _require(self.dtype is not WireDtype.none, name, "a tensor dtype", "dtype none")
-            _require(self.n_tokens >= 1, name, "n_tokens >= 1", self.n_tokens)
+            if self.n_tokens == 0:  # a recurrent layer's state: its size is the stream's to check
+                _require(size > 0, name, "a payload", size)
+                return
             unit = 2 * self.n_tokens * self.dtype.itemsize  # K and V, one element per position
             ok = size > 0 and size % unit == 0
             _require(ok, name, f"payload_len a positive multiple of {unit}", size)
@@ -145,6 +149,8 @@ class FrameHeader:
         _require(size <= cap, name, f"payload_len <= {cap}", size)
 
     def describe(self) -> str:
+        if self.kind is Kind.LAYER and self.n_tokens == 0:
+            return f"LAYER {self.layer} state after {self.token_start} tokens"
         if self.kind is Kind.LAYER:
             end = self.token_start + self.n_tokens
             return f"LAYER {self.layer} tokens [{self.token_start}, {end})"
@@ -167,6 +173,9 @@ class StreamSpec:
     # Per layer, the prompt's last positions it keeps (a sliding window), None: all of them;
     # empty: every layer keeps all. The receiver asks for it (PrefillRequest.keep).
     keep: tuple[int | None, ...] = ()
+    # Per layer, the bytes of its state frame (layers.state_bytes; 0: a layer of K and V),
+    # empty when no layer is recurrent.
+    state_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = (self.n_layers, self.n_kv_heads, self.head_dim, self.prompt_len)
@@ -178,6 +187,15 @@ class StreamSpec:
             len(self.keep) != self.n_layers or not all(_keep_ok(k) for k in self.keep)
         ):
             raise ValueError(f"invalid {self}: keep must name every layer, each None or >= 1")
+        if self.state_bytes and (
+            len(self.state_bytes) != self.n_layers or min(self.state_bytes) < 0 or self.start
+        ):
+            raise ValueError(f"invalid {self}: state_bytes must name every layer, start be 0")
+
+    @property
+    def states(self) -> tuple[int, ...]:
+        """The recurrent layers: one state frame each, in the last chunk."""
+        return tuple(i for i, b in enumerate(self.state_bytes) if b)
 
     @property
     def bytes_per_token(self) -> int:
@@ -209,6 +227,7 @@ class Plan:
     n_layers: int
     start: int = 0
     keep: tuple[int | None, ...] = ()  # StreamSpec.keep: a sliding layer's pieces start later
+    states: tuple[int, ...] = ()  # StreamSpec.states: their pieces are one state frame each
 
     @property
     def prompt_len(self) -> int:
@@ -228,11 +247,16 @@ class Plan:
 
     def pieces(self) -> Iterator[tuple[int, int, int]]:
         """(layer, token_start, n_tokens) of every piece, in stream order: each chunk's part
-        at or after the layer's floor (a chunk wholly before a window sends nothing there)."""
+        at or after the layer's floor (a chunk wholly before a window sends nothing there); a
+        recurrent layer's state, (layer, prompt_len, 0), in the last chunk only."""
         floors = [self.floor(layer) for layer in range(self.n_layers)]
-        start = self.start
+        start, n, states = self.start, self.prompt_len, set(self.states)
         for size in self.chunks:
             for layer in range(self.n_layers):
+                if layer in states:
+                    if start + size == n:
+                        yield layer, n, 0
+                    continue
                 lo = max(start, floors[layer])
                 if lo < start + size:
                     yield layer, lo, start + size - lo
@@ -241,6 +265,8 @@ class Plan:
     def frames(self) -> Iterator[tuple[int, int, int, int]]:
         """(piece index, layer, token_start, n_tokens) of every LAYER frame, in stream order."""
         for i, (layer, start, size) in enumerate(self.pieces()):
+            if size == 0:  # a state: one frame
+                yield i, layer, start, 0
             for s, n in split_range(start, size, self.frame_tokens):
                 yield i, layer, s, n
 
@@ -258,6 +284,8 @@ class Plan:
         out: dict[str, Any] = {"chunks": runs, "frame_tokens": self.frame_tokens}
         if self.keep:
             out["keep"] = list(self.keep)
+        if self.states:
+            out["states"] = list(self.states)
         return out | {"start": self.start} if self.start else out
 
     @classmethod
@@ -284,8 +312,12 @@ class Plan:
         keep = obj.get("keep", [])
         ok = isinstance(keep, list) and tuple(keep) == spec.keep
         _require(ok, "HELLO plan keep", list(spec.keep) or "absent (every position)", keep)
+        states = obj.get("states", [])
+        ok = isinstance(states, list) and tuple(states) == spec.states
+        _require(ok, "HELLO plan states", list(spec.states) or "absent (no recurrent layer)",
+                 states)  # fmt: skip
         chunks = tuple(size for size, count in runs for _ in range(count))
-        return cls(chunks, frame_tokens, spec.n_layers, start, spec.keep)
+        return cls(chunks, frame_tokens, spec.n_layers, start, spec.keep, spec.states)
 
 
 def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
