@@ -43,6 +43,8 @@ class Family:
     # layer_types then say which layers are recurrent, and mlx-lm takes the period of their
     # pattern as `full_attention_interval`.
     recurrent: str | None = None
+    # mlx-lm's module for this model_type, where it is named otherwise (qwen3_5_text -> qwen3_5).
+    mlx_module: str | None = None
 
 
 _QWEN_MOE = {
@@ -82,6 +84,23 @@ _QWEN_NEXT = {
     "linear_conv_kernel_dim": 4,
     "partial_rotary_factor": 0.25,
     "layer_types": None,
+}
+
+
+_QWEN35 = {  # Qwen3.5's text model: gated delta net layers, 3 of every 4
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    "layer_types": None,
+}
+_QWEN35_MOE = {
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
 }
 
 
@@ -154,6 +173,15 @@ FAMILIES: dict[str, Family] = {
         mlx_pattern=True,
     ),
     "qwen3_next": Family(fields=_QWEN_NEXT, qk_norm=True, recurrent="gated_delta"),
+    "qwen3_5_text": Family(
+        fields=_QWEN35, qk_norm=True, recurrent="gated_delta", mlx_module="qwen3_5"
+    ),
+    "qwen3_5_moe_text": Family(
+        fields={**_QWEN35, **_QWEN35_MOE},
+        qk_norm=True,
+        recurrent="gated_delta",
+        mlx_module="qwen3_5_moe",
+    ),
     "gpt_oss": Family(
         fields={"num_local_experts": 128, "num_experts_per_tok": 4, "layer_types": None},
         qkv_bias=True,
@@ -173,8 +201,6 @@ REFUSED = {
     "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
     "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
     "description does not hold yet",
-    "qwen3_5": "its recurrent (gated delta net) layers' state does not travel yet",
-    "qwen3_5_moe": "its recurrent (gated delta net) layers' state does not travel yet",
     "granitemoehybrid": "its recurrent (Mamba) layers' state does not travel yet",
     "deepseek_v3": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
     "latent, and the latent does not travel yet",
@@ -182,6 +208,9 @@ REFUSED = {
     "latent, and the latent does not travel yet",
     "kimi_k2": "latent attention (MLA) does not travel yet",
 }
+# Checkpoints of a vision-language model whose text model is a family above: its config
+# under `text_config` (the vision tower's weights are left unloaded on both sides).
+TEXT_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # Config keys that are read from rope_parameters in transformers 5 (the old layout: top level).
 ROPE_FIELDS = ("partial_rotary_factor",)
 
@@ -210,8 +239,8 @@ def default_layer_types(model_type: str, n_layers: int, config: dict[str, Any]) 
         or config.get("full_attention_interval")
     )
     if pattern is None:
-        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "gpt_oss": 2,
-                   "qwen3_next": 4}.get(model_type)  # fmt: skip
+        pattern = {"gemma3_text": 6, "cohere2": 4, "olmo3": 4, "gpt_oss": 2, "qwen3_next": 4,
+                   "qwen3_5_text": 4, "qwen3_5_moe_text": 4}.get(model_type)  # fmt: skip
     if not pattern:
         return (FULL,) * n_layers
     return tuple(FULL if (i + 1) % int(pattern) == 0 else other for i in range(n_layers))

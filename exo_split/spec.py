@@ -212,6 +212,7 @@ def _family_fields(fam: families.Family, config: dict[str, Any], n_layers: int) 
 
 def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
     """Canonical ModelSpec from a config.json dict; raises BadCheckpoint on what we cannot run."""
+    config = text_model_config(config)
     arch = config.get("model_type")
     fam = families.family(arch)
     if fam is None:
@@ -247,7 +248,10 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
             n_kv_heads=n_kv,
             head_dim=head_dim,
             hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
+            # a model of experts only (qwen3_5_moe_text) has no dense MLP: its experts' size
+            intermediate_size=int(
+                config.get("intermediate_size") or config["moe_intermediate_size"]
+            ),
             vocab_size=int(config["vocab_size"]),
             rms_norm_eps=float(eps),
             rope_theta=theta,
@@ -264,6 +268,16 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadCheckpoint(f"config.json is missing or has a bad value for {exc}") from exc
+
+
+def text_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language checkpoint's text model (families.TEXT_OF) as a config of its own;
+    any other config as it is. The same text model fingerprints alike in either form."""
+    text, nested = families.TEXT_OF.get(config.get("model_type") or ""), config.get("text_config")
+    if text is None or not isinstance(nested, dict):
+        return config
+    return {"tie_word_embeddings": config.get("tie_word_embeddings", False), **nested,
+            "model_type": text}  # fmt: skip
 
 
 def load_spec(model_dir: str | Path) -> ModelSpec:

@@ -26,6 +26,8 @@ from transformers import (
     Olmo3Config,
     Phi3Config,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
@@ -149,6 +151,21 @@ MORE_FAMILIES = {
         linear_value_head_dim=16, linear_conv_kernel_dim=3, mlp_only_layers=[1],
         norm_topk_prob=False, layer_types=["linear_attention", F] * 2,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+    ),
+    # Qwen3.5's text models, dense and of experts: gated delta nets (q/k/v in one projection),
+    # full attention every 2nd layer here.
+    "qwen3_5_text": _family(Qwen3_5TextConfig,
+        **_SMALL, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", F] * 2,
+        rope_parameters={"rope_type": "default", "rope_theta": 30000.0, "partial_rotary_factor": 0.5},
+    ),
+    "qwen3_5_moe_text": _family(Qwen3_5MoeTextConfig,
+        **_SMALL, **_MOE, num_experts=4, shared_expert_intermediate_size=32, head_dim=32,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", F],
+        rope_parameters={"rope_type": "default", "rope_theta": 40000.0, "partial_rotary_factor": 0.25},
     ),
     # gpt-oss: sinks, biases, alternating windows, experts with their own activation, and
     # YaRN with truncate: false (the correction range's ends fall between pairs here).
@@ -286,4 +303,39 @@ def build_gpt_oss_mxfp4(out_dir: Path, full_dir: Path) -> Path:
                                    "model.embed_tokens", "lm_head"],
     }  # fmt: skip
     (Path(out_dir) / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(out_dir)
+
+
+def build_qwen35_vision_language(out_dir: Path, text_family: str = "qwen3_5_text") -> Path:
+    """Qwen3.5 as it is published: the vision-language model (model_type qwen3_5 or
+    qwen3_5_moe), its text model (FAMILIES[text_family]'s config) under text_config, a tiny
+    vision tower."""
+    import json
+
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    moe = text_family == "qwen3_5_moe_text"
+    config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    model_class = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    text = json.loads(FAMILIES[text_family]().to_json_string())
+    for key in ("architectures", "transformers_version", "model_type"):
+        text.pop(key, None)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16, patch_size=4, temporal_patch_size=1)  # fmt: skip
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = model_class(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir, VOCAB)
     return Path(out_dir)

@@ -9,6 +9,8 @@ is refused in families.py instead.
   the frequencies are recomputed without it (`untruncated_yarn`).
 - gpt-oss experts saved by transformers 5 ([experts, in, out], gate and up interleaved):
   mlx-lm's sanitize expects OpenAI's [experts, out, in] (`model_classes`).
+- Qwen3.5 MoE experts saved one matrix each by transformers 5: mlx-lm's sanitize expects
+  them fused; they are stacked into its SwitchGLU's layout (`model_classes`).
 """
 
 from __future__ import annotations
@@ -120,9 +122,35 @@ def _gpt_oss_from_transformers(weights: dict) -> dict:
     return out
 
 
+def _stacked_experts(weights: dict) -> dict:
+    """Experts saved one matrix each (`mlp.experts.E.gate_proj.weight`, transformers 5's
+    qwen3_5_moe_text) as mlx-lm's SwitchGLU holds them: stacked, `mlp.switch_mlp.*`."""
+    out, groups = {}, {}
+    for key, value in weights.items():
+        head, sep, tail = key.partition(".mlp.experts.")
+        index, _, proj = tail.partition(".")
+        if sep and index.isdigit() and proj.endswith("_proj.weight"):
+            groups.setdefault((head, proj), {})[int(index)] = value
+        else:
+            out[key] = value
+    for (head, proj), by_index in groups.items():
+        out[f"{head}.mlp.switch_mlp.{proj}"] = mx.stack([by_index[i] for i in sorted(by_index)])
+    return out
+
+
 def model_classes(config: dict):
     """mlx-lm's (Model, ModelArgs) for a config, with the weight translations above."""
-    model_class, args_class = _get_classes(config)
+    model_type = config.get("model_type") or ""
+    fam = families.family(families.TEXT_OF.get(model_type, model_type))
+    module = fam.mlx_module if fam is not None else None
+    model_class, args_class = _get_classes({**config, "model_type": module} if module else config)
+    if module == "qwen3_5_moe":
+
+        class Qwen35MoeFromTransformers(model_class):
+            def sanitize(self, weights):
+                return super().sanitize(_stacked_experts(weights))
+
+        return Qwen35MoeFromTransformers, args_class
     if config.get("model_type") != "gpt_oss":
         return model_class, args_class
 

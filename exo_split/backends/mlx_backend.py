@@ -22,6 +22,7 @@ one chunk even when nothing streams.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -111,6 +112,15 @@ def _round_up(n: int, step: int) -> int:
     return max(step, (n + step - 1) // step * step)
 
 
+def _overrides(model_dir, spec: ModelSpec) -> dict:
+    """_mlx_config's keys where mlx-lm reads them: a vision-language checkpoint's text model
+    reads its own `text_config`."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if families.TEXT_OF.get(config.get("model_type")) and "text_config" in config:
+        return {"text_config": {**config["text_config"], **_mlx_config(spec)}}
+    return _mlx_config(spec)
+
+
 class MLXBackend:
     name = "mlx"
 
@@ -187,7 +197,7 @@ class MLXBackend:
         if on_layer is not None and emit_from < cached:  # the cached part the receiver lacks
             for i, c in enumerate(cache):
                 if is_state(c):
-                    raise ValueError("a recurrent layer's state cannot be resent for a prefix")
+                    continue  # its state goes once the prompt is in
                 k, v = (to_numpy(a[0]) for a in c.slots(emit_from, cached))
                 on_layer(LayerKV(i, emit_from, k, v, self.dtype, clock()))
         ids = mx.array([[int(t) for t in token_ids]])
@@ -275,7 +285,10 @@ class MLXBackend:
 
     def reuse_floor(self, cache: list[KVCache]) -> int:
         """The shortest prefix of `cache` a later request may reuse: a windowed layer must
-        still hold the window before it (0 when every layer holds every position)."""
+        still hold the window before it (0 when every layer holds every position); a
+        recurrent layer's state is that of its whole length, so a hybrid serves only that."""
+        if any(map(is_state, cache)):
+            return self.cache_len(cache)
         keep = self.window_keep
         return max((c.base + keep[i] for i, c in enumerate(cache) if c.base), default=0)
 
@@ -427,7 +440,9 @@ def load(
         mx.set_default_device(mx.cpu)
     try:
         model, _ = load_model(
-            Path(model_dir), model_config=_mlx_config(spec), get_model_classes=model_classes
+            Path(model_dir),
+            model_config=_overrides(model_dir, spec),
+            get_model_classes=model_classes,
         )
     except (OSError, ValueError, KeyError) as exc:
         raise BadCheckpoint(f"mlx-lm cannot load {model_dir}: {exc}") from exc

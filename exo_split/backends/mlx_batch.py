@@ -34,7 +34,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from exo_split.backends.base import Constraint, DecodeStats, take
-from exo_split.backends.mlx_decode import CLEAR_EVERY, Picker, _settle, _Step, decode_stream
+from exo_split.backends.mlx_decode import (
+    CLEAR_EVERY,
+    Picker,
+    _settle,
+    _Step,
+    decode_stream,
+    vocab_size,
+)
 from exo_split.sampling import Adjust, Sampling
 
 log = logging.getLogger(__name__)
@@ -94,7 +101,7 @@ class Batcher:
             logprobs: list | None = None, top_logprobs: int = 0, **kw) -> Row:  # fmt: skip
         """A row for `join`, with decode_steps's arguments (`kw`: Row's reserved, keep_cache,
         should_stop); the caller sets on_token and on_done."""
-        picker = Picker(self.model.args.vocab_size, sampling, constraint=constraint,
+        picker = Picker(vocab_size(self.model), sampling, constraint=constraint,
                         adjust=adjust, logprobs=logprobs, top_logprobs=top_logprobs,
                         stats=stats)  # fmt: skip
         return Row(cache, first_token, start, max_tokens, picker, stop_ids, **kw)

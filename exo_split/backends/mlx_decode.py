@@ -299,7 +299,7 @@ def decode_steps(
         return
     if start > 0:
         take(first_token, constraint, adjust)
-    picker = Picker(model.args.vocab_size, sampling, constraint=constraint, adjust=adjust,
+    picker = Picker(vocab_size(model), sampling, constraint=constraint, adjust=adjust,
                     logprobs=logprobs, top_logprobs=top_logprobs, stats=stats)  # fmt: skip
     # Graphs are built on the decode stream, inside each builder: the generator may be
     # suspended between tokens while other jobs run on the thread (node/tokens.py), so no
@@ -383,6 +383,12 @@ def _host_check(cur: _Step, token: int, sampling: Sampling, stats: DecodeStats) 
     if ref != token:
         stats.corrected += 1
     return ref
+
+
+def vocab_size(model) -> int:
+    """The model's vocabulary (a model of mlx-lm's that wraps a text model keeps it there)."""
+    args = getattr(model, "language_model", model).args
+    return args.vocab_size
 
 
 def scratch_cache(spec, dtype: mx.Dtype, offset: int, room: int) -> list[KVCache]:

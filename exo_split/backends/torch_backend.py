@@ -120,11 +120,10 @@ class TorchBackend(StagedBackend):
         step = chunk or (n - k)
         stager = self._stager(clock, on_layer, should_stop) if on_layer else None
         if stager is not None and emit_from < k:  # the cached part the receiver lacks
-            if cache.kv_layers != cache.layers:
-                raise ValueError("a recurrent layer's state cannot be resent for a prefix")
             held = clock.record()
-            for layer, buffers in enumerate(lay.buffers for lay in cache.layers):
-                stager.put(layer, emit_from, k - emit_from, held, buffers)
+            for layer, lay in enumerate(cache.layers):
+                if not torch_state.is_state(lay):  # a state goes once the prompt is in
+                    stager.put(layer, emit_from, k - emit_from, held, lay.buffers)
         queued: collections.deque = collections.deque()  # events of the pieces ahead of the device
 
         def hook(layer: int, start: int, count: int) -> None:  # compute thread
@@ -266,6 +265,11 @@ class TorchBackend(StagedBackend):
             k, v = layer.keys[0].contiguous().cpu(), layer.values[0].contiguous().cpu()
             out.append(LayerKV(i, 0, to_numpy(k), to_numpy(v), self.dtype))
         return out
+
+    def reuse_floor(self, cache: PreallocatedCache) -> int:
+        """A hybrid's cache serves only its whole length (its recurrent layers' state is that
+        of every position it holds); any prefix of any other."""
+        return self.cache_len(cache) if cache.kv_layers != cache.layers else 0
 
     def cache_len(self, cache: PreallocatedCache) -> int:
         return min(layer.length for layer in cache.kv_layers)

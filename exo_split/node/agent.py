@@ -34,7 +34,6 @@ from exo_split.discovery import NodeInfo, PeerInfo, format_url, new_node_id, pre
 from exo_split.discovery.peers import ROLES, peer_url
 from exo_split.discovery.presence import Presence, mdns_interfaces
 from exo_split.errors import ExoSplitError, PeerUnavailable, UntrustedPeer
-from exo_split.layers import recurrent_layers
 from exo_split.node import policy
 from exo_split.node.capabilities import probe_link, save_cached, startup_speeds
 from exo_split.node.decode import Coordinator
@@ -137,11 +136,9 @@ class Node:
             never_publish=[config.token],
             on_change=self._refresh_info,
         )
-        # One prefix cache for both roles: prompts prefilled here, conversations decoded here;
-        # none for a hybrid model (a recurrent layer's state cannot be cut to a prefix).
+        # One prefix cache for both roles: prompts prefilled here, conversations decoded here.
         self.prefix = None
-        if (config.prefix_cache_bytes > 0 and not recurrent_layers(self.spec)
-                and not getattr(self.backend, "own_prefix_cache", False)):  # fmt: skip
+        if config.prefix_cache_bytes > 0 and not getattr(self.backend, "own_prefix_cache", False):
             self.prefix = PrefixCache(self.backend, limit_bytes=config.prefix_cache_bytes)
         self.coordinator = _Coordinator(
             self.backend,

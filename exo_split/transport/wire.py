@@ -188,9 +188,9 @@ class StreamSpec:
         ):
             raise ValueError(f"invalid {self}: keep must name every layer, each None or >= 1")
         if self.state_bytes and (
-            len(self.state_bytes) != self.n_layers or min(self.state_bytes) < 0 or self.start
+            len(self.state_bytes) != self.n_layers or min(self.state_bytes) < 0
         ):
-            raise ValueError(f"invalid {self}: state_bytes must name every layer, start be 0")
+            raise ValueError(f"invalid {self}: state_bytes must name every layer, each >= 0")
 
     @property
     def states(self) -> tuple[int, ...]:
