@@ -45,6 +45,11 @@ class Family:
     recurrent: str | None = None
     # mlx-lm's module for this model_type, where it is named otherwise (qwen3_5_text -> qwen3_5).
     mlx_module: str | None = None
+    # Where mlx-lm takes the layer list itself (not a period): its names for the layer types.
+    mlx_layer_names: Mapping[str, str] = field(default_factory=dict)
+    # A field's value as mlx-lm's module means it, where the two libraries read it otherwise
+    # (key, value) -> value; None: as it is.
+    mlx_value: Callable[[str, Any], Any] | None = None
 
 
 _QWEN_MOE = {
@@ -102,6 +107,44 @@ _QWEN35_MOE = {
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
 }
+
+
+_GRANITE_HYBRID = {
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": 1.0,
+    "logits_scaling": 1.0,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "shared_intermediate_size": 1024,
+    "position_embedding_type": None,
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_head": None,  # "auto": mamba_expand (2) * hidden_size / mamba_n_heads
+    "mamba_d_conv": 4,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "time_step_limit": ("0.0", "inf"),  # as strings: the wire's JSON has no infinity
+    "layer_types": None,
+}
+
+
+def _granite_hybrid_mlx(key: str, value: Any) -> Any:
+    # transformers rotates only when position_embedding_type is "rope" (None: no RoPE);
+    # mlx-lm unless it is "nope".
+    if key == "position_embedding_type":
+        return "rope" if value == "rope" else "nope"
+    if key == "time_step_limit":
+        return tuple(float(x) for x in value)
+    return value
+
+
+def _granite_hybrid_refuse(config: dict[str, Any]) -> str | None:
+    types = set(config.get("layer_types") or ())
+    if not types & {FULL, "attention"}:
+        return "a model without attention layers (Mamba only) is not supported"
+    return None
 
 
 def _gemma3_refuse(config: dict[str, Any]) -> str | None:
@@ -173,6 +216,13 @@ FAMILIES: dict[str, Family] = {
         mlx_pattern=True,
     ),
     "qwen3_next": Family(fields=_QWEN_NEXT, qk_norm=True, recurrent="gated_delta"),
+    "granitemoehybrid": Family(
+        fields=_GRANITE_HYBRID,
+        recurrent="mamba2",
+        mlx_layer_names={LINEAR: "mamba", FULL: "attention"},
+        mlx_value=_granite_hybrid_mlx,
+        refuse=_granite_hybrid_refuse,
+    ),
     "qwen3_5_text": Family(
         fields=_QWEN35, qk_norm=True, recurrent="gated_delta", mlx_module="qwen3_5"
     ),
@@ -201,7 +251,6 @@ REFUSED = {
     "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
     "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
     "description does not hold yet",
-    "granitemoehybrid": "its recurrent (Mamba) layers' state does not travel yet",
     "deepseek_v3": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
     "latent, and the latent does not travel yet",
     "glm4_moe_lite": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "

@@ -56,9 +56,26 @@ def gated_delta_state(extras: Mapping[str, Any]) -> tuple[StateArray, ...]:
     )
 
 
+def mamba2_state(extras: Mapping[str, Any]) -> tuple[StateArray, ...]:
+    """Granite 4.0-H's Mamba2 mixer: the conv window over x, B and C ([K - 1, H P + 2 G N])
+    and the SSM state per head ([H, P, N]), both in the activations' dtype (as mlx-lm keeps
+    them)."""
+    heads, head_dim = extras["mamba_n_heads"], extras["mamba_d_head"]
+    groups, state = extras["mamba_n_groups"], extras["mamba_d_state"]
+    conv_dim = heads * head_dim + 2 * groups * state
+    return (
+        StateArray("conv", (extras["mamba_d_conv"] - 1, conv_dim), True),
+        StateArray("ssm", (heads, head_dim, state), True),
+    )
+
+
 STATES: dict[str, Callable[[Mapping[str, Any]], tuple[StateArray, ...]]] = {
     "gated_delta": gated_delta_state,
+    "mamba2": mamba2_state,
 }
+# The recurrent matrix's last two axes in transformers' cache, swapped against the wire's
+# (mlx-lm's): the gated delta net keeps [Hv, Dk, Dv] there, Mamba2 the same [H, P, N].
+TRANSPOSED = {"gated_delta": True, "mamba2": False}
 
 
 def state_arrays(spec) -> tuple[StateArray, ...]:

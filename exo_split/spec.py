@@ -187,7 +187,14 @@ def _layer_types(arch: str, fam: families.Family, config: dict[str, Any], n: int
 def _recurrent_layer_types(arch: str, config: dict[str, Any], n: int) -> tuple[str, ...]:
     """A hybrid's layers: recurrent ones and full attention in mlx-lm's fixed pattern (every
     P-th layer full: `full_attention_interval`)."""
+    old_names = {"mamba": families.LINEAR, "attention": families.FULL}  # Granite 4's own
     types = tuple(config.get("layer_types") or families.default_layer_types(arch, n, config))
+    types = tuple(old_names.get(t, t) for t in types)
+    if families.FAMILIES[arch].mlx_layer_names:  # mlx-lm takes the list as it is
+        if len(types) != n or set(types) - {families.LINEAR, families.FULL}:
+            raise BadCheckpoint(f"{arch}: layer_types must name {n} layers, each "
+                                f"{families.LINEAR!r} or {families.FULL!r}; got {list(types)}")  # fmt: skip
+        return types
     if len(types) != n or families.window_pattern(types, families.LINEAR) is None:
         raise BadCheckpoint(
             f"{arch}: mlx-lm runs P-1 {families.LINEAR!r} layers, then one "
@@ -206,6 +213,12 @@ def _family_fields(fam: families.Family, config: dict[str, Any], n_layers: int) 
             value = [int((i + 1) % interval != 0) for i in range(n_layers)]
         if key == "layer_types":
             continue  # ModelSpec.layer_types
+        if key == "mamba_d_head" and value in (None, "auto"):
+            value = int(config.get("mamba_expand", 2)) * int(config["hidden_size"])
+            value //= int(config.get("mamba_n_heads", fam.fields["mamba_n_heads"]))
+        if key == "time_step_limit" and value is not None:  # transformers 5 writes an
+            # infinity as {"__float__": "Infinity"}; kept as strings (the wire's JSON has none)
+            value = tuple(str(float(x["__float__"] if isinstance(x, dict) else x)) for x in value)
         out[key] = value
     return out
 

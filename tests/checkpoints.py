@@ -19,6 +19,7 @@ from transformers import (
     Glm4MoeConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeHybridConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -151,6 +152,17 @@ MORE_FAMILIES = {
         linear_value_head_dim=16, linear_conv_kernel_dim=3, mlp_only_layers=[1],
         norm_topk_prob=False, layer_types=["linear_attention", F] * 2,
         rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+    ),
+    # Granite 4.0-H: Mamba2 layers and attention ones in a list of its own (no period),
+    # experts beside a shared MLP, Granite's multipliers; RoPE on.
+    "granitemoehybrid": _family(GraniteMoeHybridConfig,
+        **_SMALL, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
+        mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=3,
+        mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
+        layer_types=["linear_attention", "linear_attention", F, "linear_attention"],
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=4.0,  # time_step_limit: transformers' (0, inf), written as {"__float__": ...}
+        rope_parameters={"rope_type": "default", "rope_theta": 20000.0},
     ),
     # Qwen3.5's text models, dense and of experts: gated delta nets (q/k/v in one projection),
     # full attention every 2nd layer here.

@@ -4,6 +4,8 @@ the state's part in fidelity, and two nodes over loopback in both directions."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -184,17 +186,20 @@ def test_an_mlx_decode_step_taken_back_restores_the_state(checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_nodes_hand_a_hybrid_over_in_both_directions(checkpoint, tmp_path):
+@pytest.mark.parametrize("arch", [ARCH, "granitemoehybrid"])
+def test_two_nodes_hand_a_hybrid_over_in_both_directions(checkpoint, tmp_path, arch):
     """torch prefill node -> MLX decode node (in place, overlapped and sequential, chunked)
     and MLX prefill -> torch decode (the copy path): tokens are transformers'; each
     recurrent layer's state travels once, after the prompt, and the report counts its bytes."""
     from nodes import NodeProcess, generate_sync
     from reference import prompt_ids, reference_generate
 
-    ckpt = checkpoint(ARCH)
+    ckpt = checkpoint(arch)
     spec = load_spec(ckpt)
     per_position = 2 * spec.n_kv_heads * spec.head_dim * 4
     states = layers.state_bytes(spec, "float32")
+    recurrent = layers.recurrent_layers(spec)
+    attention = spec.n_layers - len(recurrent)
     t, m = NodeProcess(ckpt, "torch", tmp_path), NodeProcess(ckpt, "mlx", tmp_path)
     try:
         t.wait_ready()
@@ -209,9 +214,9 @@ def test_two_nodes_hand_a_hybrid_over_in_both_directions(checkpoint, tmp_path):
             assert report["fallback"] is None, report
             assert done["tokens"] == reference_generate(ckpt, ids, 10), (n, chunk, overlap)
             pieces = [(p["layer"], p["n_tokens"]) for p in report["layers"]]
-            assert [p for p in pieces if p[1] == 0] == [(0, 0), (2, 0)]
-            assert sum(k for _, k in pieces) == 2 * n  # the two attention layers
-            assert report["kv_bytes"] == 2 * n * per_position + sum(states)
+            assert [p for p in pieces if p[1] == 0] == [(i, 0) for i in recurrent]
+            assert sum(k for _, k in pieces) == attention * n
+            assert report["kv_bytes"] == attention * n * per_position + sum(states)
         ids = prompt_ids(120, seed=4)  # the decode node's own prefill and decode
         done = generate_sync(m.url, {"token_ids": ids, "max_tokens": 10, "prefill": "local"})
         assert done["tokens"] == reference_generate(ckpt, ids, 10)
@@ -300,3 +305,21 @@ def test_a_qwen3_5_vision_language_checkpoint_runs_its_text_model(checkpoint, tm
     for p in report.pairings:
         for r in p.prompts:
             assert r.max_logit_diff <= FLOAT32_LOGIT_BOUND * max(1.0, r.reference_logit_max)
+
+
+def test_granite_hybrids_without_rope_mean_the_same_on_both_sides(checkpoint):
+    """transformers rotates a Granite 4.0-H only when position_embedding_type is "rope" (its
+    default, None, means none), mlx-lm unless it is "nope": None reaches mlx-lm as "nope",
+    and the check passes within the bound; Mamba only (no attention layer) is refused."""
+    from exo_split.backends import load_backend
+    from exo_split.errors import BadCheckpoint
+    from exo_split.spec import spec_from_config
+
+    ckpt = checkpoint("granitemoehybrid", position_embedding_type=None)
+    assert load_spec(ckpt).extra("position_embedding_type") is None
+    assert load_backend("mlx", ckpt).model.args.position_embedding_type == "nope"
+    report = run_check(ckpt, max_tokens=8)
+    assert report.passed, [p.reason for p in report.failing]
+    config = json.loads((ckpt / "config.json").read_text())
+    with pytest.raises(BadCheckpoint, match="without attention layers"):
+        spec_from_config({**config, "layer_types": ["linear_attention"] * 4})

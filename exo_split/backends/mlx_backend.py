@@ -87,12 +87,15 @@ def _mlx_config(spec: ModelSpec) -> dict:
         "rms_norm_eps": spec.rms_norm_eps,
     }
     for key, value in spec.extras:
+        value = fam.mlx_value(key, value) if fam.mlx_value else value
         out[fam.mlx_names.get(key, key)] = list(value) if isinstance(value, tuple) else value
     if spec.sliding_window:
         out["sliding_window"] = spec.sliding_window
     if spec.layer_types:
         out["layer_types"] = list(spec.layer_types)
-        if fam.recurrent:
+        if fam.mlx_layer_names:
+            out["layer_types"] = [fam.mlx_layer_names[t] for t in spec.layer_types]
+        elif fam.recurrent:
             out["full_attention_interval"] = families.window_pattern(
                 spec.layer_types, families.LINEAR
             )

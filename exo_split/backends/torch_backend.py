@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from exo_split import families
 from exo_split.backends import torch_state
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled, serial_decode
 from exo_split.backends.staged import StagedBackend
@@ -36,7 +37,7 @@ from exo_split.backends.torch_staging import (
 )
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV
-from exo_split.layers import LayerState, recurrent_layers, state_arrays
+from exo_split.layers import TRANSPOSED, LayerState, recurrent_layers, state_arrays
 from exo_split.spec import ModelSpec, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -219,13 +220,18 @@ class TorchBackend(StagedBackend):
 
     def _state_piece(self, cache: PreallocatedCache, layer: int, n: int) -> LayerState:
         return torch_state.piece(cache.layers[layer], layer, n, state_arrays(self.spec),
-                                 self.dtype, to_numpy)  # fmt: skip
+                                 self.dtype, to_numpy, transposed=self._transposed)  # fmt: skip
+
+    @property
+    def _transposed(self) -> bool:
+        return TRANSPOSED.get(families.family(self.spec.architecture).recurrent or "", False)
 
     @torch.inference_mode()
     def inject(self, cache: PreallocatedCache, kv: LayerKV | LayerState) -> None:
         if isinstance(kv, LayerState):
             return torch_state.inject(cache.layers[kv.layer], kv, self.torch_device,
-                                      _TORCH_DTYPES[self.dtype], from_numpy)  # fmt: skip
+                                      _TORCH_DTYPES[self.dtype], from_numpy,
+                                      transposed=self._transposed)  # fmt: skip
         k = from_numpy(kv.k, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         v = from_numpy(kv.v, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         cache.update(k[None], v[None], kv.layer)
