@@ -74,6 +74,16 @@ _GLM_MOE = {
 }
 
 
+# Qwen3-Next's and Qwen3.5's gated delta net layers (3 of every 4 by default).
+_GATED_DELTA = {
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    "layer_types": None,
+}
 _QWEN_NEXT = {
     "num_experts": 512,
     "num_experts_per_tok": 10,
@@ -82,25 +92,9 @@ _QWEN_NEXT = {
     "moe_intermediate_size": 512,
     "shared_expert_intermediate_size": 512,
     "norm_topk_prob": True,
-    "linear_num_value_heads": 32,
-    "linear_num_key_heads": 16,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "partial_rotary_factor": 0.25,
-    "layer_types": None,
+    **_GATED_DELTA,
 }
-
-
-_QWEN35 = {  # Qwen3.5's text model: gated delta net layers, 3 of every 4
-    "linear_num_value_heads": 32,
-    "linear_num_key_heads": 16,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-    "partial_rotary_factor": 0.25,
-    "layer_types": None,
-}
+_QWEN35 = _GATED_DELTA  # Qwen3.5's text model: the same layers and defaults, no experts
 _QWEN35_MOE = {
     "num_experts": 256,
     "num_experts_per_tok": 8,

@@ -268,30 +268,28 @@ def test_check_with_a_vllm_prefill_side_passes(vllm_python, tiny):
     assert max(firsts) < 1e-4, firsts  # the first token's logits, from vLLM, vs transformers
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
-def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny, tmp_path):
+def _refused_start(python: str, model, *args: str) -> str:
+    """A vllm node that must not start: its output (a clear error, no traceback)."""
     out = subprocess.run(
-        [vllm_python, "-m", "exo_split", "node", "--model", str(tiny), "--backend", "vllm",
-         "--no-mdns", "--host", "127.0.0.1", "--port", "0", "--engine-arg", "dtype=float16"],
+        [python, "-m", "exo_split", "node", "--model", str(model), "--backend", "vllm",
+         "--no-mdns", "--host", "127.0.0.1", "--port", "0", *args],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "EXO_SPLIT_TOKEN": "t" * 32},
     )  # fmt: skip
     assert out.returncode != 0
-    assert "dtype are set by exo-split" in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+    return out.stderr + out.stdout
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
+def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny):
+    out = _refused_start(vllm_python, tiny, "--engine-arg", "dtype=float16")
+    assert "dtype are set by exo-split" in out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
 def test_a_hybrid_model_is_refused_before_vllm_starts(vllm_python, checkpoint):
     """Qwen3-Next's recurrent layers keep their state in vLLM's state cache, which the
     connector does not read: refused with the way out, before an engine is built."""
-    out = subprocess.run(
-        [vllm_python, "-m", "exo_split", "node", "--model", str(checkpoint("qwen3_next")),
-         "--backend", "vllm", "--no-mdns", "--host", "127.0.0.1", "--port", "0"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "EXO_SPLIT_TOKEN": "t" * 32},
-    )  # fmt: skip
-    assert out.returncode != 0
-    assert "has recurrent layers" in out.stderr + out.stdout
-    assert "--backend torch" in out.stderr + out.stdout
-    assert "Traceback" not in out.stderr
+    out = _refused_start(vllm_python, checkpoint("qwen3_next"))
+    assert "has recurrent layers" in out and "--backend torch" in out

@@ -189,7 +189,7 @@ class _Frames:
     def _send(self, index: int, layer: int, s: int, m: int, last: bool) -> None:
         parts = [p for p in self._parts if p.end > s and p.kv.token_start < s + m]
         if m == 0:
-            parts = [p for p in self._parts if p.kv.n_tokens == 0]
+            parts = [p for p in self._parts if p.kv.n_tokens == 0 and p.kv.layer == layer]
             blocks = list(parts[0].kv.buffers())
         else:
             blocks = [
