@@ -172,3 +172,18 @@ def test_decision_and_estimates_appear_in_the_json_report() -> None:
     assert after["measured"]["ttft_s"] == pytest.approx(doc["ttft_s"])
     assert after["measured"]["estimated_ttft_s"] == got["estimates"]["remote_ttft_s"]
     assert "measured" not in got
+
+
+def test_a_hybrids_handoff_grows_by_its_attention_layers_only():
+    """Qwen3-Next-80B's geometry: 12 of its 48 layers hold K and V per position; the others'
+    state is one size at every length, so the link estimate counts the 12 (a llama: all)."""
+    import transformers
+
+    from exo_split.node.policy import handoff_bytes_per_token
+    from exo_split.spec import spec_from_config
+
+    hybrid = spec_from_config(json.loads(transformers.Qwen3NextConfig().to_json_string()))
+    assert handoff_bytes_per_token(hybrid, "bfloat16") == kv_bytes_per_token(12, 2, 256, "bfloat16")
+    assert handoff_bytes_per_token(hybrid, "bfloat16") == 24 * 1024
+    dense = spec_from_config(json.loads(transformers.LlamaConfig().to_json_string()))
+    assert handoff_bytes_per_token(dense, "float16") == kv_bytes_per_token(32, 32, 128, "float16")

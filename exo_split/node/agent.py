@@ -319,9 +319,7 @@ class Node:
             local_prefill_tps=self.learned.local.value(n)[0],
             peer_prefill_tps=self.learned.peer(url, peer).value(n)[0],
             link=None,
-            kv_bytes_per_token=policy.kv_bytes_per_token(
-                self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim, self.backend.dtype
-            ),
+            kv_bytes_per_token=policy.handoff_bytes_per_token(self.spec, self.backend.dtype),
             n_layers=self.spec.n_layers,
             overlap=req.overlap,
         )

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from exo_split.kv import itemsize
+from exo_split.layers import recurrent_layers
+from exo_split.spec import ModelSpec
 
 # Used when a figure is missing: the fixed threshold public systems ship with (EXO and
 # NVIDIA Dynamo both prefill remotely from 1,000 prompt tokens).
@@ -37,6 +39,13 @@ MODES = ("auto", "remote", "local")
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> int:
     """K and V bytes of one prompt token over all layers, as they go on the wire."""
     return 2 * n_layers * n_kv_heads * head_dim * itemsize(dtype)
+
+
+def handoff_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+    """What one more prompt position adds to a handoff: the K and V of the attention layers
+    (a recurrent layer's state is one size at every length, layers.py)."""
+    attention = spec.n_layers - len(recurrent_layers(spec))
+    return kv_bytes_per_token(attention, spec.n_kv_heads, spec.head_dim, dtype)
 
 
 @dataclass(frozen=True)
