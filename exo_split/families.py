@@ -50,6 +50,12 @@ class Family:
     # A field's value as mlx-lm's module means it, where the two libraries read it otherwise
     # (key, value) -> value; None: as it is.
     mlx_value: Callable[[str, Any], Any] | None = None
+    # Latent attention (MLA): every layer caches the normalized latent (K, kv_lora_rank wide)
+    # and the roped key shared by all heads (V, qk_rope_head_dim wide), one "head" (layers.py).
+    latent: bool = False
+    # The epsilon transformers normalizes the latent and the query's low-rank projection
+    # with, where mlx-lm's module takes rms_norm_eps instead (set after loading: mlx_adapt).
+    latent_norm_eps: float | None = None
 
 
 _QWEN_MOE = {
@@ -138,6 +144,69 @@ def _granite_hybrid_refuse(config: dict[str, Any]) -> str | None:
     types = set(config.get("layer_types") or ())
     if not types & {FULL, "attention"}:
         return "a model without attention layers (Mamba only) is not supported"
+    return None
+
+
+# DeepSeek-V3's latent attention and its experts (group-limited routing by sigmoid scores).
+_MLA = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+_DEEPSEEK_MOE = {
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2048,
+    "first_k_dense_replace": 3,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
+
+
+_GLM_LITE = {
+    **_MLA,
+    "q_lora_rank": 768,
+    "qk_nope_head_dim": 192,
+    "v_head_dim": 256,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.8,
+    "norm_topk_prob": True,
+    "mlp_layer_types": None,  # transformers: one dense layer, then experts
+}
+
+
+def _glm_lite_mlx(key: str, value: Any) -> Any:
+    # transformers reads the list, mlx-lm the number of dense layers before the experts
+    return value.count("dense") if key == "mlp_layer_types" else value
+
+
+def _glm_lite_refuse(config: dict[str, Any]) -> str | None:
+    types = list(config.get("mlp_layer_types") or ())
+    dense = types.count("dense")
+    if types and (types != ["dense"] * dense + ["sparse"] * (len(types) - dense)):
+        return f"mlx-lm runs dense layers first, then experts; mlp_layer_types is {types}"
+    return _mla_refuse(config)
+
+
+def _mla_refuse(config: dict[str, Any]) -> str | None:
+    if config.get("rope_interleave", True) is False:
+        return ("rope_interleave is false: mlx-lm always rotates the latent key's dimensions "
+                "in interleaved pairs")  # fmt: skip
+    for key, fixed in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if config.get(key, fixed) != fixed:
+            return f"mlx-lm and transformers route experts by {key} {fixed!r} only, not {config[key]!r}"
+    if int(config.get("moe_layer_freq", 1)) != 1:
+        return "transformers makes every layer past first_k_dense_replace sparse (moe_layer_freq 1)"
     return None
 
 
@@ -232,6 +301,15 @@ FAMILIES: dict[str, Family] = {
         window="layer_types",
         refuse=_gpt_oss_refuse,
     ),
+    "deepseek_v3": Family(fields={**_MLA, **_DEEPSEEK_MOE}, latent=True, refuse=_mla_refuse),
+    "glm4_moe_lite": Family(
+        fields=_GLM_LITE,
+        latent=True,
+        latent_norm_eps=1e-6,
+        mlx_names={"mlp_layer_types": "first_k_dense_replace"},
+        mlx_value=_glm_lite_mlx,
+        refuse=_glm_lite_refuse,
+    ),
     "gemma3_text": Family(
         fields={"query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0},
         window="layer_types",
@@ -245,11 +323,9 @@ REFUSED = {
     "gemma2": "mlx-lm's gemma2 module ignores the sliding window its layers have",
     "gemma4_text": "its layers have head sizes of their own, which the per-layer cache "
     "description does not hold yet",
-    "deepseek_v3": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
-    "latent, and the latent does not travel yet",
-    "glm4_moe_lite": "latent attention (MLA): transformers caches expanded K/V, mlx-lm the "
-    "latent, and the latent does not travel yet",
-    "kimi_k2": "latent attention (MLA) does not travel yet",
+    "kimi_k2": "transformers runs it, and its tokenizer, only through the checkpoint's own "
+    "code (trust_remote_code), which exo-split does not run (its layers are DeepSeek-V3's, "
+    "which run as deepseek_v3)",
 }
 # Checkpoints of a vision-language model whose text model is a family above: its config
 # under `text_config` (the vision tower's weights are left unloaded on both sides).

@@ -2,7 +2,8 @@
 
 numpy only. numpy has no bfloat16, so bfloat16 travels as raw 16-bit words (uint16) and is
 reinterpreted with `.view` on the other side: conversions are bit-exact by construction.
-Layout of K and V: `[n_kv_heads, n_tokens, head_dim]`, row-major, keys already rotated.
+Layout of K and V: `[n_kv_heads, n_tokens, head_dim]`, row-major, keys already rotated (a
+latent layer's V is narrower than its K: layers.py).
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ class LayerKV:
     layer: int
     token_start: int
     k: np.ndarray  # [n_kv_heads, n_tokens, head_dim], storage dtype
-    v: np.ndarray  # same shape and dtype as k
+    v: np.ndarray  # [n_kv_heads, n_tokens, v_dim], k's dtype (v_dim: head_dim but in MLA)
     dtype: str  # "float32" | "float16" | "bfloat16"
     computed_at: float | None = None
     release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.k.shape != self.v.shape or self.k.ndim != 3:
+        if self.k.shape[:2] != self.v.shape[:2] or self.k.ndim != 3 or self.v.ndim != 3:
             raise ValueError(
                 f"K {self.k.shape} and V {self.v.shape} must both be [heads, tokens, dim]"
             )
@@ -127,15 +128,15 @@ class LayerKV:
         dtype: str,
         k: bytes | bytearray | memoryview,
         v: bytes | bytearray | memoryview,
+        v_dim: int | None = None,
     ) -> LayerKV:
-        """Views over received bytes, no copy."""
-        shape = (n_kv_heads, n_tokens, head_dim)
+        """Views over received bytes, no copy (V `v_dim` wide; None: `head_dim`)."""
         sd = storage_dtype(dtype)
         return cls(
             layer,
             token_start,
-            np.frombuffer(k, dtype=sd).reshape(shape),
-            np.frombuffer(v, dtype=sd).reshape(shape),
+            np.frombuffer(k, dtype=sd).reshape(n_kv_heads, n_tokens, head_dim),
+            np.frombuffer(v, dtype=sd).reshape(n_kv_heads, n_tokens, v_dim or head_dim),
             dtype,
         )
 

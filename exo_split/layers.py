@@ -8,6 +8,11 @@ Kinds (ModelSpec.layer_types, transformers' names):
 - linear_attention: a recurrent layer (Qwen3-Next's gated delta net): fixed-size state
   arrays, the same size at every prompt length, complete only once the layer has consumed
   the whole prompt: one `LayerState` piece, sent in the last chunk, in layer order.
+- latent attention (MLA: DeepSeek-V3; families.Family.latent, every layer of the model):
+  per position the normalized latent and the roped key all heads share, as both libraries
+  cache them: LayerKV pieces of one "head" whose K is the latent (spec.head_dim =
+  kv_lora_rank wide) and whose V is the roped key (spec.v_dim = qk_rope_head_dim wide), in
+  mlx-lm's order of the rotated dimensions (`latent_key_order`).
 
 A state's arrays travel in mlx-lm's layout (its ArraysCache holds them so), each either in
 the KV's wire dtype (`follows_kv`: the conv window of the layer's inputs) or in float32 (the
@@ -67,6 +72,23 @@ def mamba2_state(extras: Mapping[str, Any]) -> tuple[StateArray, ...]:
         StateArray("conv", (extras["mamba_d_conv"] - 1, conv_dim), True),
         StateArray("ssm", (heads, head_dim, state), True),
     )
+
+
+def is_latent(spec) -> bool:
+    fam = families.family(spec.architecture)
+    return bool(fam and fam.latent)
+
+
+def latent_key_order(spec) -> np.ndarray | None:
+    """Where transformers keeps each dimension of a latent model's roped key: mlx-lm (and the
+    wire) keep each rotated pair side by side, transformers' interleaved rope puts the pairs'
+    first elements in the first half and their second ones in the second:
+    transformers' = wire[..., order], wire = transformers'[..., argsort(order)]. None: no
+    latent layers."""
+    if not is_latent(spec):
+        return None
+    d = spec.v_dim
+    return np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
 
 
 STATES: dict[str, Callable[[Mapping[str, Any]], tuple[StateArray, ...]]] = {

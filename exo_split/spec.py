@@ -50,15 +50,27 @@ class ModelSpec:
     # family's own fields (families.py), sorted (key, value) pairs with lists as tuples.
     layer_types: tuple[str, ...] = ()
     extras: tuple[tuple[str, Any], ...] = ()
+    # V's width where it is not K's (`head_dim`): a latent (MLA) model's layers cache the
+    # latent as K (n_kv_heads 1, head_dim kv_lora_rank) and the roped key as V (layers.py).
+    value_dim: int | None = None
     # Informational only: not part of the fingerprint (a float16 and a bfloat16 copy of the
     # same weights are the same model; the dtype on the wire is negotiated per request).
     name: str = field(default="", compare=False)
     checkpoint_dtype: str | None = field(default=None, compare=False)
 
     @property
+    def v_dim(self) -> int:
+        """The width of each head's V in the cache (K's is `head_dim`)."""
+        return self.value_dim or self.head_dim
+
+    def layer_bytes_per_token(self, itemsize: int) -> int:
+        """K and V bytes of one position of one layer, at `itemsize` bytes per element."""
+        return self.n_kv_heads * (self.head_dim + self.v_dim) * itemsize
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V bytes per prompt token over all layers, at 2 bytes per element."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 2
+        return self.n_layers * self.layer_bytes_per_token(2)
 
     def maths(self) -> dict[str, Any]:
         """The fingerprinted fields as a plain dict (rope scaling as a dict)."""
@@ -66,6 +78,8 @@ class ModelSpec:
         out["rope_scaling"] = dict(self.rope_scaling)
         if not self.layer_types:  # absent when every layer is full: fingerprints stay
             del out["layer_types"]
+        if self.value_dim is None:  # absent when V is as wide as K: fingerprints stay
+            del out["value_dim"]
         del out["extras"]
         for key, value in self.extras:  # the family's fields, under their config.json names
             out[f"{self.architecture}.{key}"] = value
@@ -208,6 +222,8 @@ def _family_fields(fam: families.Family, config: dict[str, Any], n_layers: int) 
     out = {}
     for key, default in fam.fields.items():
         value = config.get(key, config.get(fam.aliases.get(key, ""), default))
+        if key == "mlp_layer_types" and value is None:  # transformers' own default
+            value = ["dense"] + ["sparse"] * (n_layers - 1)
         if key == "no_rope_layers" and value is None:  # transformers' own default pattern
             interval = int(config.get("no_rope_layer_interval", 4))
             value = [int((i + 1) % interval != 0) for i in range(n_layers)]
@@ -244,6 +260,10 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
         n_layers = int(config["num_hidden_layers"])
         n_kv = int(config.get("num_key_value_heads") or n_heads)
         head_dim = int(config.get("head_dim") or hidden // n_heads)
+        value_dim = None
+        if fam.latent:  # what the cache holds: the latent (K) and the roped key (V), one head
+            n_kv, value_dim = 1, int(config.get("qk_rope_head_dim", fam.fields["qk_rope_head_dim"]))
+            head_dim = int(config.get("kv_lora_rank", fam.fields["kv_lora_rank"]))
         theta, scaling, rope_fields = _rope(config, fam)
         kind = dict(scaling).get("rope_type")
         if kind is not None and kind not in fam.mlx_rope:
@@ -276,6 +296,7 @@ def spec_from_config(config: dict[str, Any], *, name: str = "") -> ModelSpec:
             sliding_window=window,
             layer_types=layer_types,
             extras=_frozen_items(extras),
+            value_dim=value_dim,
             name=name,
             checkpoint_dtype=config.get("dtype") or config.get("torch_dtype"),
         )

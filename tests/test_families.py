@@ -34,6 +34,8 @@ _CONFIG_CLASSES = {
     "granite": transformers.GraniteConfig,
     "cohere": transformers.CohereConfig,
     "cohere2": transformers.Cohere2Config,
+    "deepseek_v3": transformers.DeepseekV3Config,
+    "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
     "gemma3_text": transformers.Gemma3TextConfig,
 }
 
@@ -49,7 +51,7 @@ def test_our_defaults_are_transformers_defaults(arch):
     hf = json.loads(_CONFIG_CLASSES[arch]().to_json_string())
     rope = hf.get("rope_parameters") or {}
     for key, ours in families.FAMILIES[arch].fields.items():
-        if key in ("layer_types", "no_rope_layers", "mamba_d_head"):
+        if key in ("layer_types", "no_rope_layers", "mamba_d_head", "mlp_layer_types"):
             continue  # derived from the layer count or other fields (tested below)
         if key == "rope_local_base_freq":
             theirs = rope["sliding_attention"]["rope_theta"]
@@ -153,7 +155,13 @@ def test_layer_types_and_the_local_rope_are_read_from_transformers_5_configs():
         ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
                                       "short_factor": [1.0], "long_factor": [1.0]}},
          "unsupported rope type 'longrope'"),
-        ("qwen3_moe", {"model_type": "deepseek_v3"}, "unsupported architecture 'deepseek_v3'"),
+        ("qwen3_moe", {"model_type": "gemma2"}, "unsupported architecture 'gemma2'"),
+        ("deepseek_v3", {"rope_interleave": False}, "rotates the latent key's dimensions in interleaved pairs"),
+        ("deepseek_v3", {"scoring_func": "softmax"}, "by scoring_func 'sigmoid' only, not 'softmax'"),
+        ("deepseek_v3", {"topk_method": "greedy"}, "by topk_method 'noaux_tc' only"),
+        ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq 1"),
+        ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]},
+         "dense layers first, then experts"),
         ("gpt_oss", {"swiglu_limit": 5.0}, "fixes swiglu_limit at 7.0; this checkpoint has 5.0"),
         ("gpt_oss", {"attention_bias": False}, "always adds attention biases"),
         ("gpt_oss", {"tie_word_embeddings": True}, "output head of its own"),

@@ -288,8 +288,12 @@ def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
-def test_a_hybrid_model_is_refused_before_vllm_starts(vllm_python, checkpoint):
-    """Qwen3-Next's recurrent layers keep their state in vLLM's state cache, which the
-    connector does not read: refused with the way out, before an engine is built."""
-    out = _refused_start(vllm_python, checkpoint("qwen3_next"))
-    assert "has recurrent layers" in out and "--backend torch" in out
+@pytest.mark.parametrize(("arch", "why"), [("qwen3_next", "has recurrent layers"),
+                                           ("deepseek_v3", "has latent attention (MLA)")])  # fmt: skip
+def test_a_model_the_connector_cannot_read_is_refused_before_vllm_starts(vllm_python, checkpoint,
+                                                                         arch, why):  # fmt: skip
+    """Qwen3-Next's recurrent layers keep their state in vLLM's state cache, DeepSeek-V3's
+    latent its MLA cache: the connector reads neither, so each is refused with the way out,
+    before an engine is built."""
+    out = _refused_start(vllm_python, checkpoint(arch))
+    assert why in out and "--backend torch" in out

@@ -339,11 +339,11 @@ def test_decoded_k_and_v_view_the_payload():
 
 def test_encoders_reject_bad_input():
     k, v = kv_arrays(SPEC, 4, seed=1)
-    with pytest.raises(ValueError, match="K and V differ"):
-        encode_layer(0, 0, 4, WireDtype.float16, k, v.reshape(-1)[:8])
+    with pytest.raises(ValueError, match="must each hold 4 whole positions"):
+        encode_layer(0, 0, 4, WireDtype.float16, k, v.reshape(-1)[:7])
     with pytest.raises(ValueError, match="C-contiguous"):
         encode_layer(0, 0, 2, WireDtype.float16, k[:, ::2], v[:, ::2])
-    with pytest.raises(ProtocolError, match="payload_len a positive multiple"):
+    with pytest.raises(ValueError, match="must each hold 3 whole positions"):
         encode_layer(0, 0, 3, WireDtype.float16, k, v)  # 4 positions labelled as 3
     with pytest.raises(ProtocolError, match="cannot pack"):
         encode_layer(2**32, 0, 4, WireDtype.float16, k, v)

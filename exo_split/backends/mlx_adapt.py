@@ -11,6 +11,8 @@ is refused in families.py instead.
   mlx-lm's sanitize expects OpenAI's [experts, out, in] (`model_classes`).
 - Qwen3.5 MoE experts saved one matrix each by transformers 5: mlx-lm's sanitize expects
   them fused; they are stacked into its SwitchGLU's layout (`model_classes`).
+- GLM-4.7-Flash's latent and low-rank query norms: transformers' epsilon is 1e-6, mlx-lm
+  takes rms_norm_eps (`latent_norm_eps`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ def exact_embedding_scale(model, spec: ModelSpec, dtype: str) -> None:
     if ours != theirs:
         inner = model.model
         inner.embed_tokens = _RescaledEmbedding(inner.embed_tokens, ours / theirs)
+
+
+def latent_norm_eps(model, spec: ModelSpec) -> int:
+    """GLM-4.7-Flash: transformers normalizes the latent and the query's low-rank projection
+    with an epsilon of 1e-6, mlx-lm's glm4_moe_lite with rms_norm_eps (1e-5 in its config):
+    those norms get transformers' epsilon. Returns how many changed."""
+    eps = families.family(spec.architecture).latent_norm_eps
+    if eps is None:
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            norm = getattr(module, name, None)
+            if isinstance(norm, nn.RMSNorm):
+                norm.eps = eps
+                changed += 1
+    return changed
 
 
 def yarn_freqs(

@@ -37,7 +37,12 @@ from mlx_lm.utils import load_model
 from exo_split import families
 from exo_split.backends import mlx_cache, mlx_decode
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled
-from exo_split.backends.mlx_adapt import exact_embedding_scale, model_classes, untruncated_yarn
+from exo_split.backends.mlx_adapt import (
+    exact_embedding_scale,
+    latent_norm_eps,
+    model_classes,
+    untruncated_yarn,
+)
 from exo_split.backends.mlx_batch import Batcher
 from exo_split.backends.mlx_cache import StreamingKVCache, evaluated, is_state, streaming
 from exo_split.errors import BadCheckpoint
@@ -265,7 +270,7 @@ class MLXBackend:
             slots = _round_up(capacity - getattr(c, "base", 0), KVCache.step)
             shape = (1, self.spec.n_kv_heads, slots, self.spec.head_dim)
             c.keys = mx.zeros(shape, _MX_DTYPES[self.dtype])
-            c.values = mx.zeros(shape, _MX_DTYPES[self.dtype])
+            c.values = mx.zeros((*shape[:3], self.spec.v_dim), _MX_DTYPES[self.dtype])
         mx.eval(evaluated(cache))
 
     def _layer(self, i: int, kv_layer, state_hook=None):
@@ -455,6 +460,7 @@ def load(
         model.set_dtype(_MX_DTYPES[dtype])
     exact_embedding_scale(model, spec, dtype)
     untruncated_yarn(model, spec)
+    latent_norm_eps(model, spec)
     mx.eval(model.parameters())
     what = quant.describe() if quant else "full precision"
     log.info("mlx backend: %s on %s in %s (%s)", spec.name, mx.default_device(), dtype, what)

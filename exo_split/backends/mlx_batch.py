@@ -386,8 +386,8 @@ def _own_len(cache: list) -> int:
 
 
 def _position_bytes(layer: KVCache, n_layers: int) -> int:
-    k = layer.keys
-    return 2 * n_layers * k.shape[1] * k.shape[3] * k.dtype.size
+    k, v = layer.keys, layer.values
+    return n_layers * k.shape[1] * (k.shape[3] + v.shape[3]) * k.dtype.size
 
 
 def _batch_layer(parts: list[tuple], longest: int, slots: int) -> BatchKVCache:
@@ -397,7 +397,8 @@ def _batch_layer(parts: list[tuple], longest: int, slots: int) -> BatchKVCache:
     first = parts[0][0]
     _, heads, _, dim = first.keys.shape
     shape = (len(parts), heads, slots, dim)
-    keys, values = mx.zeros(shape, first.keys.dtype), mx.zeros(shape, first.values.dtype)
+    keys = mx.zeros(shape, first.keys.dtype)
+    values = mx.zeros((*shape[:3], first.values.shape[3]), first.values.dtype)  # MLA: narrower
     pads = []
     for row, (src, i, n) in enumerate(parts):
         end = src._idx if isinstance(src, BatchKVCache) else src.offset

@@ -401,7 +401,8 @@ def scratch_cache(spec, dtype: mx.Dtype, offset: int, room: int) -> list[KVCache
         if is_state(c):
             c.offset = offset
         else:
-            c.keys, c.values, c.offset = mx.zeros(shape, dtype), mx.zeros(shape, dtype), offset
+            c.keys, c.offset = mx.zeros(shape, dtype), offset
+            c.values = mx.zeros((*shape[:3], spec.v_dim), dtype)
         cache.append(c)
     return cache
 

@@ -55,7 +55,7 @@ class StagedBackend:
         return self.ring
 
     def _bytes_per_token(self) -> int:
-        return 2 * self.spec.n_kv_heads * self.spec.head_dim * itemsize(self.dtype)
+        return self.spec.layer_bytes_per_token(itemsize(self.dtype))
 
     def frame_positions_limit(self) -> int | None:
         """The most positions one wire frame may hold so that the ring can always fill it:

@@ -1,6 +1,6 @@
 """PyTorch backend: transformers' AutoModelForCausalLM, on CUDA (the product) or the CPU.
 
-Per-layer KV during prefill: the cache is a `PreallocatedCache` (torch_staging.py) whose
+Per-layer KV during prefill: the cache is a `PreallocatedCache` (torch_cache.py) whose
 `update(k, v, layer_idx)` transformers calls inside layer `layer_idx`'s attention with the
 post-RoPE keys; each layer's positions go into one buffer allocated before the forward, so they
 keep their address for the whole request. Its hook records an event and hands the piece to the
@@ -27,17 +27,22 @@ from exo_split import families
 from exo_split.backends import torch_state
 from exo_split.backends.base import Cancelled, OnLayer, Prefilled, serial_decode
 from exo_split.backends.staged import StagedBackend
+from exo_split.backends.torch_cache import LatentLayer, Mark, PreallocatedCache
 from exo_split.backends.torch_staging import (
     DEFAULT_RUN_AHEAD,
     DEFAULT_SLOT_TIMEOUT_S,
     CpuOps,
     CudaOps,
-    Mark,
-    PreallocatedCache,
 )
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV
-from exo_split.layers import TRANSPOSED, LayerState, recurrent_layers, state_arrays
+from exo_split.layers import (
+    TRANSPOSED,
+    LayerState,
+    latent_key_order,
+    recurrent_layers,
+    state_arrays,
+)
 from exo_split.spec import ModelSpec, load_quantization, load_spec
 
 log = logging.getLogger(__name__)
@@ -216,7 +221,8 @@ class TorchBackend(StagedBackend):
         shape = (self.spec.n_kv_heads, max(1, capacity), self.spec.head_dim)
         return PreallocatedCache(self.spec.n_layers, shape, _TORCH_DTYPES[self.dtype],
                                  self.torch_device, adopt=self.ops.adopt,
-                                 recurrent=recurrent_layers(self.spec))  # fmt: skip
+                                 recurrent=recurrent_layers(self.spec), v_dim=self.spec.v_dim,
+                                 key_order=latent_key_order(self.spec))  # fmt: skip
 
     def _state_piece(self, cache: PreallocatedCache, layer: int, n: int) -> LayerState:
         return torch_state.piece(cache.layers[layer], layer, n, state_arrays(self.spec),
@@ -234,6 +240,9 @@ class TorchBackend(StagedBackend):
                                       transposed=self._transposed)  # fmt: skip
         k = from_numpy(kv.k, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
         v = from_numpy(kv.v, kv.dtype).to(self.torch_device, _TORCH_DTYPES[self.dtype])
+        layer = cache.layers[kv.layer]
+        if isinstance(layer, LatentLayer):  # update() takes transformers' order
+            v = v[..., layer.order]
         cache.update(k[None], v[None], kv.layer)
 
     @torch.inference_mode()

@@ -41,10 +41,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 from exo_split.backends.base import Cancelled, OnLayer
-from exo_split.backends.torch_state import StateLayer, is_state
 from exo_split.kv import LayerKV, storage_dtype
 
 log = logging.getLogger(__name__)
@@ -187,7 +185,7 @@ class CpuOps:
         dst = _slot_views(slot, k, v)
         for d, src in zip(dst, (k, v), strict=True):
             d.copy_(src)
-        return _piece_arrays(slot, k, dtype)
+        return _piece_arrays(slot, k, v, dtype)
 
 
 class _CudaClock:
@@ -246,7 +244,7 @@ class CudaOps:
                     d[h].copy_(src[h], non_blocking=True)
             done = self.side.record_event()
         done.synchronize()  # the stager waits for its own copy; nobody else does
-        return _piece_arrays(slot, k, dtype)
+        return _piece_arrays(slot, k, v, dtype)
 
 
 def _host_view(t: torch.Tensor) -> np.ndarray:
@@ -255,122 +253,21 @@ def _host_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _slot_views(slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    n = k.numel() * k.element_size()
-    return [slot[i * n : (i + 1) * n].view(k.dtype).view(k.shape) for i in range(2)]
+    """K's place at the slot's start, V's right after it (a latent layer's V is narrower)."""
+    n, m = k.numel() * k.element_size(), v.numel() * v.element_size()
+    return [slot[:n].view(k.dtype).view(k.shape), slot[n : n + m].view(v.dtype).view(v.shape)]
 
 
-def _piece_arrays(slot: torch.Tensor, k: torch.Tensor, dtype: str):
-    """(owners, k, v) over the first 2 x |k| bytes of a slot: K then V, the wire's order."""
-    n = k.numel() * k.element_size()
-    root = slot[: 2 * n].numpy()  # a new array per piece: the lease watches it
+def _piece_arrays(slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: str):
+    """(owners, k, v) over the first |k| + |v| bytes of a slot: K then V, the wire's order."""
+    n, m = k.numel() * k.element_size(), v.numel() * v.element_size()
+    root = slot[: n + m].numpy()  # a new array per piece: the lease watches it
     sd = storage_dtype(dtype)
-    shape = tuple(k.shape)
-    return [root], root[:n].view(sd).reshape(shape), root[n:].view(sd).reshape(shape)
-
-
-# ---- a device cache whose KV stays where it was written -----------------------------------------
-
-
-class PreallocatedLayer(DynamicLayer):
-    """DynamicLayer semantics (update returns the keys so far) over one buffer of `capacity`
-    positions: no torch.cat per chunk, so positions [s, e) keep their address for the request
-    and a pending copy can read them later. Grows (a copy) only past its capacity (decode)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.buffers = (keys, values)  # [1, H, capacity, D]
-        self.length = 0
-        self.device = keys.device
-        self.is_initialized = True
-        self.keys, self.values = keys[:, :, :0], values[:, :, :0]
-
-    @property
-    def capacity(self) -> int:
-        return self.buffers[0].shape[2]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            self._grow(end)
-        kb, vb = self.buffers
-        kb[:, :, self.length : end].copy_(key_states)
-        vb[:, :, self.length : end].copy_(value_states)
-        self.length = end
-        self.keys, self.values = kb[:, :, :end], vb[:, :, :end]
-        return self.keys, self.values
-
-    def _grow(self, end: int) -> None:
-        cap = max(end, 2 * self.capacity)
-        grown = []
-        for b in self.buffers:
-            new = b.new_empty((*b.shape[:2], cap, b.shape[3]))
-            new[:, :, : self.length].copy_(b[:, :, : self.length])
-            grown.append(new)
-        self.buffers = tuple(grown)
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-@dataclass
-class Mark:
-    """Positions [start, start + n) of `layer` were computed at `at` (an event until resolved)."""
-
-    layer: int
-    start: int
-    n: int
-    at: Any
-
-
-class PreallocatedCache(Cache):
-    """The torch backend's cache: one PreallocatedLayer per layer. During a prefill, `hook(layer,
-    start, n)` runs on the compute thread right after a layer wrote positions [start, start + n);
-    `marks` keeps when each piece was computed (for `stream_kv` after the prefill)."""
-
-    def __init__(self, n_layers: int, shape: tuple[int, int, int], dtype, device, adopt=None,
-                 recurrent: tuple[int, ...] = ()):  # fmt: skip
-        heads, capacity, head_dim = shape
-        layers = []
-        for i in range(n_layers):
-            if i in recurrent:  # transformers' own linear-attention layer (torch_state.py)
-                layers.append(StateLayer())
-                continue
-            kv = [torch.empty((1, heads, capacity, head_dim), dtype=dtype, device=device)
-                  for _ in range(2)]  # fmt: skip
-            if adopt is not None:
-                for b in kv:
-                    adopt(b)
-            layers.append(PreallocatedLayer(*kv))
-        super().__init__(layers=layers)
-        self.hook: Callable[[int, int, int], None] | None = None
-        self.state_hook: Callable[[int], None] | None = None  # after a recurrent layer's step
-        self.marks: list[Mark] = []
-
-    @property
-    def kv_layers(self) -> list[PreallocatedLayer]:
-        return [layer for layer in self.layers if not is_state(layer)]
-
-    def update_recurrent_state(self, recurrent_states, layer_idx, *args, **kwargs):
-        out = super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
-        if self.state_hook is not None:
-            self.state_hook(layer_idx)
-        return out
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        start = self.layers[layer_idx].length
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if self.hook is not None:
-            self.hook(layer_idx, start, key_states.shape[-2])
-        return out
-
-    def stamps(self) -> list[list[tuple[int, float]]]:
-        """Per layer, (end position, when computed) of each piece the prefill computed, in
-        order (marks resolved to seconds)."""
-        out: list[list[tuple[int, float]]] = [[] for _ in self.layers]
-        for m in self.marks:
-            if isinstance(m.at, float):
-                out[m.layer].append((m.start + m.n, m.at))
-        return out
+    return (
+        [root],
+        root[:n].view(sd).reshape(tuple(k.shape)),
+        root[n:].view(sd).reshape(tuple(v.shape)),
+    )
 
 
 # ---- the stager ------------------------------------------------------------------------------

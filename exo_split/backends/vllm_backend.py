@@ -45,7 +45,7 @@ from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.backends.staged import StagedBackend
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
-from exo_split.layers import recurrent_layers
+from exo_split.layers import is_latent, recurrent_layers
 from exo_split.spec import load_spec
 
 log = logging.getLogger(__name__)
@@ -285,6 +285,12 @@ def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None 
         raise BadCheckpoint(
             f"{spec.architecture} has recurrent layers: the vllm backend's connector reads "
             "attention KV only, not vLLM's state cache",
+            hint="prefill this model with --backend torch",
+        )
+    if is_latent(spec):
+        raise BadCheckpoint(
+            f"{spec.architecture} has latent attention (MLA): vLLM keeps the latent in its MLA "
+            "cache layout, which the vllm backend's connector does not read yet",
             hint="prefill this model with --backend torch",
         )
     dtype = dtype or "float32"

@@ -43,9 +43,10 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str
 
 def handoff_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """What one more prompt position adds to a handoff: the K and V of the attention layers
-    (a recurrent layer's state is one size at every length, layers.py)."""
+    (a recurrent layer's state is one size at every length; a latent layer's V is narrower
+    than its K: layers.py)."""
     attention = spec.n_layers - len(recurrent_layers(spec))
-    return kv_bytes_per_token(attention, spec.n_kv_heads, spec.head_dim, dtype)
+    return attention * spec.layer_bytes_per_token(itemsize(dtype))
 
 
 @dataclass(frozen=True)

@@ -293,7 +293,7 @@ async def stream_prefill(
     k = checkout.cached
     progress.tokens = n - k
     compute = prefill_chunks(backend, n - k, req.chunk)
-    bytes_per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
+    bytes_per_token = spec.layer_bytes_per_token(dtype.itemsize)
     limit = min(max_frame_bytes, req.max_frame_bytes or max_frame_bytes)
     chunks = streamed_chunks(k, compute, start) if req.overlap else (n - start,)
     frame_tokens = max(1, limit // bytes_per_token)

@@ -31,7 +31,7 @@ Views = list[tuple[np.ndarray, np.ndarray]]
 
 class CacheViews:
     """The decode cache as a transport Destination: a frame's payload is 2 x n_kv_heads
-    blocks, each [n_tokens, head_dim] of one head, contiguous in the cache."""
+    blocks, each [n_tokens, head_dim] (V's: v_dim) of one head, contiguous in the cache."""
 
     def __init__(self, views: Views, bases: Sequence[int] | None = None):
         self.views = views
@@ -91,7 +91,7 @@ class Sink:
                 return await run(self.backend.inject, self.cache, st)
             kv = LayerKV.from_bytes(
                 h.layer, h.token_start, h.n_tokens, spec.n_kv_heads, spec.head_dim,
-                self.backend.dtype, frame.k, frame.v,
+                self.backend.dtype, frame.k, frame.v, spec.v_dim,
             )  # fmt: skip
             await run(self.backend.inject, self.cache, kv)
         except ValueError as exc:  # a piece that does not fit: the peer's fault

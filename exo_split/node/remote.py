@@ -75,7 +75,8 @@ class RemotePull:
         spec = wire.StreamSpec(self.spec.n_layers, self.spec.n_kv_heads, self.spec.head_dim,
                                wire.WireDtype.from_name(self.backend.dtype), len(ids),
                                self.max_frame_bytes, start, keep,
-                               state_bytes(self.spec, self.backend.dtype))  # fmt: skip
+                               state_bytes(self.spec, self.backend.dtype),
+                               self.spec.value_dim)  # fmt: skip
         pieces: list[tuple[int, int, int]] = []
         try:
             remote.sent_at = clock()

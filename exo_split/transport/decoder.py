@@ -313,6 +313,10 @@ class FrameDecoder:
             return
         size = spec.layer_payload_len(n)
         shape = f"2 x {spec.n_kv_heads} heads x {n} tokens x {spec.head_dim} dims"
+        if spec.v_width != spec.head_dim:  # a latent layer: K and V of their own widths
+            shape = (
+                f"{spec.n_kv_heads} heads x {n} tokens x ({spec.head_dim} + {spec.v_width}) dims"
+            )
         what = f"wrong payload_len on {h.describe()}"
         _require(h.payload_len == size, what, f"{size} ({shape} x {spec.dtype.name})",
                  h.payload_len)  # fmt: skip
@@ -353,8 +357,8 @@ class FrameDecoder:
         last = self._next is None or self._next[0] != piece
         k = v = None
         if payload is not None and h.n_tokens:
-            view, half = memoryview(payload), len(payload) // 2
-            k, v = view[:half], view[half:]
+            view, split = memoryview(payload), self.spec.k_payload_len(h.n_tokens)
+            k, v = view[:split], view[split:]
         return Frame(h, payload, k=k, v=v, piece=piece, last=last, crc=pending)
 
 

@@ -134,7 +134,7 @@ def _mib(nbytes: int) -> str:
 def kv_bytes(spec: ModelSpec, tokens: int, dtype: str, layers: int | None = None) -> int:
     """K and V bytes of `tokens` positions in `layers` layers (default: all)."""
     n_layers = spec.n_layers if layers is None else layers
-    return 2 * n_layers * spec.n_kv_heads * spec.head_dim * tokens * itemsize(dtype)
+    return n_layers * spec.layer_bytes_per_token(itemsize(dtype)) * tokens
 
 
 def prefill_kv_bytes(

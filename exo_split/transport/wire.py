@@ -137,7 +137,8 @@ class FrameHeader:
             if self.n_tokens == 0:  # a recurrent layer's state: its size is the stream's to check
                 _require(size > 0, name, "a payload", size)
                 return
-            unit = 2 * self.n_tokens * self.dtype.itemsize  # K and V, one element per position
+            unit = self.n_tokens * self.dtype.itemsize  # whole elements per position (K and V
+            # of any widths: a latent layer's differ); the stream checks the exact size
             ok = size > 0 and size % unit == 0
             _require(ok, name, f"payload_len a positive multiple of {unit}", size)
             return
@@ -176,9 +177,11 @@ class StreamSpec:
     # Per layer, the bytes of its state frame (layers.state_bytes; 0: a layer of K and V),
     # empty when no layer is recurrent.
     state_bytes: tuple[int, ...] = ()
+    # V's width per head where it is not head_dim (a latent layer's roped key), else None.
+    v_dim: int | None = None
 
     def __post_init__(self) -> None:
-        sizes = (self.n_layers, self.n_kv_heads, self.head_dim, self.prompt_len)
+        sizes = (self.n_layers, self.n_kv_heads, self.head_dim, self.prompt_len, self.v_width)
         if min(sizes) < 1 or self.dtype is WireDtype.none or self.max_frame_bytes < 1:
             raise ValueError(f"invalid {self}: expected sizes >= 1 and a tensor dtype")
         if not 0 <= self.start < self.prompt_len:
@@ -198,9 +201,17 @@ class StreamSpec:
         return tuple(i for i, b in enumerate(self.state_bytes) if b)
 
     @property
+    def v_width(self) -> int:
+        return self.head_dim if self.v_dim is None else self.v_dim
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V bytes of one position of one layer."""
-        return 2 * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.n_kv_heads * (self.head_dim + self.v_width) * self.dtype.itemsize
+
+    def k_payload_len(self, n_tokens: int) -> int:
+        """The first part of a LAYER payload of `n_tokens` positions: K's bytes (V's follow)."""
+        return n_tokens * self.n_kv_heads * self.head_dim * self.dtype.itemsize
 
     def layer_payload_len(self, n_tokens: int) -> int:
         return n_tokens * self.bytes_per_token
@@ -357,13 +368,15 @@ def encode_token(token_id: int, logprob: float) -> list[Buffer]:
 def encode_layer(
     layer: int, token_start: int, n_tokens: int, dtype: WireDtype, k: Buffer, v: Buffer
 ) -> list[Buffer]:
-    """Header, then byte views of K and V ([n_kv_heads, n_tokens, head_dim], C-contiguous).
+    """Header, then byte views of K and V ([n_kv_heads, n_tokens, head_dim], C-contiguous;
+    a latent layer's V is narrower). The receiver checks the total against its StreamSpec.
 
     The views are not copies: keep ``k`` and ``v`` alive and unchanged until they are written.
     """
     k_bytes, v_bytes = _byte_view(k, "k"), _byte_view(v, "v")
-    if k_bytes.nbytes != v_bytes.nbytes:
-        raise ValueError(f"K and V differ in size: {k_bytes.nbytes} vs {v_bytes.nbytes} bytes")
+    if n_tokens > 0 and (k_bytes.nbytes % n_tokens or v_bytes.nbytes % n_tokens):
+        raise ValueError(f"K ({k_bytes.nbytes} bytes) and V ({v_bytes.nbytes} bytes) must each "
+                         f"hold {n_tokens} whole positions")  # fmt: skip
     return layer_frame(layer, token_start, n_tokens, dtype, [k_bytes, v_bytes])
 
 
