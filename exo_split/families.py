@@ -251,7 +251,7 @@ FAMILIES: dict[str, Family] = {
         mlx_rope=(), fields={"num_local_experts": 8, "num_experts_per_tok": 2}, window="always"
     ),
     "phi3": Family(
-        mlx_rope=(),
+        mlx_rope=("longrope",),
         fields={"partial_rotary_factor": 1.0, "original_max_position_embeddings": 4096},
         window="always",
     ),

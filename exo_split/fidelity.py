@@ -191,8 +191,8 @@ def prompt_lengths(spec: ModelSpec, max_tokens: int) -> tuple[int, ...]:
     """PROMPT_LENGTHS, capped to what the context (and a sliding window) can hold."""
     check_request(spec, 1, max_tokens)
     room = spec.max_position_embeddings - max_tokens
-    if spec.window_limit:
-        room = min(room, spec.window_limit - max_tokens)
+    if spec.position_limit:
+        room = min(room, spec.position_limit - max_tokens)
     lengths = PROMPT_LENGTHS
     if spec.layer_types and spec.sliding_window:  # below, at and well past the window
         lengths = (*lengths, 3 * spec.sliding_window)

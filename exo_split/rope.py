@@ -9,8 +9,13 @@ setting only where both give the same frequencies and scale:
   always truncates the correction range, transformers unless `truncate` is false (gpt-oss):
   `truncate: false` stays in the canonical form (it changes the maths) and the MLX backend
   recomputes the frequencies without truncating (backends/mlx_adapt.py).
-- longrope (Phi-3.5/4-mini): mlx-lm applies the long factors at every length, transformers
-  the short ones up to original_max_position_embeddings: refused.
+- longrope (Phi-3.5/4-mini, Phi-3-128k): transformers rotates with the short factors while a
+  forward's last position is within original_max_position_embeddings and with the long ones
+  for a whole forward past it (so there its result depends on how the prompt is chunked);
+  mlx-lm always with the long ones. Run with the short factors on both sides (the MLX
+  backend swaps them in: backends/mlx_adapt.py), up to original_max_position_embeddings
+  positions (`limit`): a longer request is refused. The attention factor is compared as
+  YaRN's is.
 - dynamic: the frequencies change with the length in transformers: refused.
 """
 
@@ -33,11 +38,11 @@ KEYS = (
     "mscale_all_dim",
     "attention_factor",
     "truncate",
+    "short_factor",
+    "long_factor",
 )
-SUPPORTED = ("default", "linear", "llama3", "yarn")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope")
 _WHY_NOT = {
-    "longrope": "mlx-lm's longrope applies the long factors at every length, transformers the "
-    "short ones below original_max_position_embeddings: the two sides would differ",
     "dynamic": "dynamic NTK scaling changes the frequencies with the length in transformers",
 }
 
@@ -58,11 +63,44 @@ def canonical(merged: dict[str, Any], *, max_position_embeddings: int) -> dict[s
         )
     if rope_type == "yarn":
         scaling = _yarn(scaling, max_position_embeddings)
+    if rope_type == "longrope":
+        scaling = _longrope(scaling, max_position_embeddings)
     return scaling
+
+
+def limit(scaling: dict[str, Any]) -> int | None:
+    """The most positions a request may reach with this scaling (None: no limit of its own):
+    longrope's short factors hold up to original_max_position_embeddings."""
+    if scaling.get("rope_type") == "longrope":
+        return int(scaling["original_max_position_embeddings"])
+    return None
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope(s: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if s.get(key) is None:
+            raise BadCheckpoint(f"longrope rope scaling without {key}")
+    s["short_factor"], s["long_factor"] = (tuple(float(x) for x in s[k])
+                                           for k in ("short_factor", "long_factor"))  # fmt: skip
+    original = s["original_max_position_embeddings"]
+    # transformers: attention_factor, else derived from factor, else from the context ratio;
+    # mlx-lm's phi3 always derives it from the context ratio
+    ratio = max_position_embeddings / original
+    factor = s.pop("factor", None) or ratio
+    theirs = s.pop("attention_factor", None)
+    if theirs is None:
+        theirs = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ours = 1.0 if ratio <= 1 else math.sqrt(1 + math.log(ratio) / math.log(original))
+    if not math.isclose(ours, theirs, rel_tol=1e-9):
+        raise BadCheckpoint(
+            f"longrope attention scale: transformers uses {theirs:.6g}, mlx-lm would use "
+            f"{ours:.6g} (attention_factor / factor against max_position_embeddings)"
+        )
+    return s
 
 
 def _yarn(s: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:

@@ -94,6 +94,13 @@ class ModelSpec:
         return None if self.layer_types else self.sliding_window
 
     @property
+    def position_limit(self) -> int | None:
+        """The most positions a request may reach short of the context: the window of
+        `window_limit`, or where longrope would switch to its long factors (rope.limit)."""
+        limits = [x for x in (self.window_limit, rope.limit(dict(self.rope_scaling))) if x]
+        return min(limits) if limits else None
+
+    @property
     def window_keep(self) -> tuple[int | None, ...]:
         """Per layer, how many of the prompt's last positions a decode side must hold: W - 1
         for a sliding layer (the next query is the window's W-th position), None (all) for a
@@ -123,7 +130,7 @@ class ModelSpec:
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs["rope_scaling"] = tuple(sorted((d.get("rope_scaling") or {}).items()))
+        kwargs["rope_scaling"] = _frozen_items(d.get("rope_scaling") or {})
         kwargs["layer_types"] = tuple(d.get("layer_types") or ())
         kwargs["extras"] = _frozen_items(d.get("extras") or {})
         return cls(**kwargs)
@@ -152,6 +159,9 @@ def _rope(
         params = params.get(families.FULL) or local or {}
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     merged = {**legacy, **params}
+    longrope = (merged.get("rope_type") or merged.get("type")) == "longrope"
+    if longrope and "original_max_position_embeddings" not in merged:  # older files: the top
+        merged["original_max_position_embeddings"] = config.get("original_max_position_embeddings")
     max_pos = int(config.get("max_position_embeddings") or 2048)
     scaling = tuple(sorted(rope.canonical(merged, max_position_embeddings=max_pos).items()))
     extra = {k: merged.get(k, config.get(k)) for k in families.ROPE_FIELDS if k in fam.fields}
@@ -375,6 +385,13 @@ def check_request(spec: ModelSpec, prompt_len: int, max_tokens: int) -> None:
         raise PromptTooLong(
             f"prompt + max tokens = {total} exceeds the sliding window of {spec.window_limit}; "
             "exo-split does not support sliding-window attention beyond the window yet"
+        )
+    if spec.position_limit and total > spec.position_limit:
+        raise PromptTooLong(
+            f"prompt + max tokens = {total} exceeds {spec.position_limit} positions, where this "
+            "model's longrope scaling switches to its long factors: transformers then rotates "
+            "each forward by its own length, which a split cannot reproduce",
+            hint="shorten the prompt or lower --max-tokens",
         )
 
 

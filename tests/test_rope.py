@@ -1,5 +1,5 @@
-"""rope.py: YaRN runs where both libraries compute the same rotation (checked against
-transformers on a tiny checkpoint); what they would compute differently is refused."""
+"""rope.py: YaRN and longrope run where both libraries compute the same rotation (checked
+against transformers on a tiny checkpoint); what they would compute differently is refused."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ from exo_split.spec import load_spec, spec_from_config
 
 YARN = {"rope_type": "yarn", "rope_theta": 100000.0, "factor": 4.0,
         "original_max_position_embeddings": 64, "beta_fast": 16.0, "beta_slow": 2.0}  # fmt: skip
+# Phi-3.5/4-mini's longrope on the tiny phi3 (head_dim 16, half of it rotated: 4 pairs): a
+# short and a long factor per pair, the context 8x the original (attention factor 1.15).
+LONGROPE = {"rope_type": "longrope", "rope_theta": 20000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [2.25, 1.5, 1.125, 1.0], "long_factor": [6.5, 7.5, 5.5, 6.25],
+            "original_max_position_embeddings": 512}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -56,7 +61,9 @@ def test_a_missing_factor_is_derived_as_transformers_derives_it():
     [
         ({**YARN, "attention_factor": 2.0}, "transformers uses 2, mlx-lm would use 1.13863"),
         ({**YARN, "mscale": 0.707}, "attention scale"),  # mlx-lm uses mscale alone, not transformers
-        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "long factors at every length"),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "without original_max_position_embeddings"),
+        ({**LONGROPE, "attention_factor": 2.0}, "longrope attention scale: transformers uses 2"),
+        ({**LONGROPE, "factor": 2.0}, "longrope attention scale"),  # mlx-lm: the context ratio
         ({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
         ({"rope_type": "yarn", "factor": 2.0}, "without original_max_position_embeddings"),
     ],
@@ -88,3 +95,45 @@ def test_truncate_false_is_part_of_the_maths_and_true_is_the_default():
     assert rope.canonical({**YARN, "truncate": True}, max_position_embeddings=4096) == plain
     untruncated = rope.canonical({**YARN, "truncate": False}, max_position_embeddings=4096)
     assert untruncated == {**plain, "truncate": False}
+
+
+def _phi3_longrope(checkpoint):
+    return checkpoint("phi3", rope_parameters=LONGROPE, max_position_embeddings=4096,
+                      original_max_position_embeddings=512)  # fmt: skip
+
+
+def test_longrope_matches_transformers_up_to_its_original_context(checkpoint):
+    """Both sides rotate with the short factors (transformers' choice while a forward ends
+    within original_max_position_embeddings); a request reaching past it is refused, as
+    transformers would then rotate each forward by its own length."""
+    from exo_split.errors import PromptTooLong
+    from exo_split.spec import ModelSpec, check_request
+
+    ckpt = _phi3_longrope(checkpoint)
+    spec = load_spec(ckpt)
+    scaling = dict(spec.rope_scaling)
+    assert scaling["short_factor"] == tuple(LONGROPE["short_factor"])
+    assert spec.position_limit == 512
+    again = ModelSpec.from_dict(json.loads(json.dumps(spec.to_dict())))  # the wire's copy
+    assert again == spec and again.fingerprint == spec.fingerprint
+    report = run_check(ckpt, max_tokens=8)
+    assert report.passed, [p.reason for p in report.failing]
+    assert report.prompt_lengths == (1, 40, 300)
+    check_request(spec, 500, 12)
+    with pytest.raises(PromptTooLong, match="exceeds 512 positions, where this model's longrope"):
+        check_request(spec, 500, 13)
+
+
+def test_mlx_lms_long_factors_would_leave_the_bound(checkpoint, monkeypatch):
+    """mlx-lm builds longrope with the long factors at every length: without the MLX
+    backend's swap to the short ones, its logits leave the float32 bound by far."""
+    from exo_split.backends import mlx_backend
+    from exo_split.fidelity import FLOAT32_LOGIT_BOUND
+
+    ckpt = _phi3_longrope(checkpoint)
+    monkeypatch.setattr(mlx_backend, "short_longrope", lambda model, spec: 0)
+    report = run_check(ckpt, max_tokens=4)
+    by_name = {p.name: p for p in report.pairings}
+    worst = max(r.max_logit_diff / max(1.0, r.reference_logit_max)
+                for r in by_name["torch->mlx"].prompts)  # fmt: skip
+    assert worst > 10 * FLOAT32_LOGIT_BOUND

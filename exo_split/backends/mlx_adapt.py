@@ -11,6 +11,9 @@ is refused in families.py instead.
   mlx-lm's sanitize expects OpenAI's [experts, out, in] (`model_classes`).
 - Qwen3.5 MoE experts saved one matrix each by transformers 5: mlx-lm's sanitize expects
   them fused; they are stacked into its SwitchGLU's layout (`model_classes`).
+- longrope (Phi-3.5/4-mini): mlx-lm rotates with the long factors at every length,
+  transformers with the short ones up to original_max_position_embeddings, as far as
+  exo-split runs it (rope.py): the short ones are swapped in (`short_longrope`).
 - GLM-4.7-Flash's latent and low-rank query norms: transformers' epsilon is 1e-6, mlx-lm
   takes rms_norm_eps (`latent_norm_eps`).
 """
@@ -22,7 +25,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.rope_utils import YarnRoPE
+from mlx_lm.models.rope_utils import SuScaledRoPE, YarnRoPE
 from mlx_lm.utils import _get_classes
 
 from exo_split import families
@@ -125,6 +128,23 @@ def untruncated_yarn(model, spec: ModelSpec) -> int:
                 beta_fast=float(s.get("beta_fast", 32.0)), beta_slow=float(s.get("beta_slow", 1.0)),
                 truncate=False,
             ))  # fmt: skip
+            changed += 1
+    return changed
+
+
+def short_longrope(model, spec: ModelSpec) -> int:
+    """Give every SuScaledRoPE of the model longrope's short factors (mlx-lm builds it with
+    the long ones); its attention scale already is transformers' (rope.py compares them).
+    Returns how many modules changed."""
+    s = dict(spec.rope_scaling)
+    if s.get("rope_type") != "longrope":
+        return 0
+    changed = 0
+    for _, module in model.named_modules():
+        if isinstance(module, SuScaledRoPE):
+            dims = np.arange(0, module.dim, 2, dtype=np.float32) / module.dim
+            wavelength = np.float32(spec.rope_theta) ** dims
+            module._freqs = mx.array(np.asarray(s["short_factor"], np.float32) * wavelength)
             changed += 1
     return changed
 

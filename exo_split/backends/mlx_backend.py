@@ -41,6 +41,7 @@ from exo_split.backends.mlx_adapt import (
     exact_embedding_scale,
     latent_norm_eps,
     model_classes,
+    short_longrope,
     untruncated_yarn,
 )
 from exo_split.backends.mlx_batch import Batcher
@@ -82,7 +83,7 @@ def _mlx_config(spec: ModelSpec) -> dict:
     fam = families.family(spec.architecture)
     out = {
         "rope_theta": spec.rope_theta,
-        "rope_scaling": dict(spec.rope_scaling) or None,
+        "rope_scaling": _mlx_rope_scaling(spec),
         "rope_parameters": None,
         "head_dim": spec.head_dim,
         "num_key_value_heads": spec.n_kv_heads,
@@ -107,6 +108,14 @@ def _mlx_config(spec: ModelSpec) -> dict:
         if fam.mlx_pattern:
             out["sliding_window_pattern"] = families.window_pattern(spec.layer_types)
     return out
+
+
+def _mlx_rope_scaling(spec: ModelSpec) -> dict | None:
+    """The canonical rope scaling; mlx-lm's phi3 reads longrope's kind as `type`."""
+    scaling = dict(spec.rope_scaling)
+    if scaling.get("rope_type") == "longrope":
+        scaling["type"] = "longrope"
+    return scaling or None
 
 
 def _starts(first: int, sizes: Sequence[int]) -> list[int]:
@@ -460,6 +469,7 @@ def load(
         model.set_dtype(_MX_DTYPES[dtype])
     exact_embedding_scale(model, spec, dtype)
     untruncated_yarn(model, spec)
+    short_longrope(model, spec)
     latent_norm_eps(model, spec)
     mx.eval(model.parameters())
     what = quant.describe() if quant else "full precision"
