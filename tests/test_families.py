@@ -347,10 +347,11 @@ def test_a_sliding_layer_keeps_only_its_window_and_reuse_respects_it(checkpoint)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "granite", "deepseek_v3"])
 def test_a_quantized_copy_decodes_the_full_precision_handoff(arch, checkpoint, tmp_path):
     """mlx-community's layout (an mlx_lm.convert 8-bit copy) on the decode side of a MoE, a
-    sliding-window and a scaled-logits family: the check's quantized bar (teacher-forced
+    sliding-window, a scaled-logits and a latent-attention family (its absorbed projections
+    quantized): the check's quantized bar (teacher-forced
     top-1 agreement with mlx-lm running the copy alone) holds, and the copy is the same model
     (fingerprint) as the full-precision prefill side."""
     from mlx_lm.convert import convert
