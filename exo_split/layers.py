@@ -143,6 +143,11 @@ class LayerState:
     def buffers(self) -> tuple[memoryview, ...]:
         return tuple(memoryview(np.ascontiguousarray(a)).cast("B") for a in self.arrays)
 
+    def copy(self) -> LayerState:
+        """A piece whose arrays are its own (a snapshot the live state cannot change)."""
+        return dataclasses.replace(self, arrays=tuple(np.array(a, copy=True) for a in self.arrays),
+                                   release=None)  # fmt: skip
+
     def astype(self, dtype: str) -> LayerState:
         if dtype == self.dtype:
             return self

@@ -234,8 +234,9 @@ def test_two_nodes_hand_a_hybrid_over_in_both_directions(checkpoint, tmp_path, a
 @pytest.mark.timeout(600)
 def test_a_hybrid_conversation_reuses_a_prefix_only_where_its_state_is(checkpoint, tmp_path):
     """A recurrent layer's state is that of a cache's whole length: a cached entry serves a
-    prompt that continues all of it (the next turn of a chat), on either node, and nothing
-    shorter (another branch computes everything). The decode node then receives only the
+    prompt that continues all of it (the next turn of a chat), on either node, or one that
+    continues it up to the end of its prompt (the decode node's snapshot there), and
+    nothing else (another branch computes everything). The decode node then receives only the
     positions it lacks, and the prefill node resumes from its own entry's state."""
     from nodes import NodeProcess, generate_sync
     from reference import prompt_ids, reference_generate
@@ -273,8 +274,15 @@ def test_a_hybrid_conversation_reuses_a_prefix_only_where_its_state_is(checkpoin
         assert report["prefix"]["prefill_cached_tokens"] == 0
         # the uncached suffix of a turn prefilled by the decode node itself
         third = second + reply2 + prompt_ids(20, seed=10)
-        _, report = turn(third, prefill="local")
+        reply3, report = turn(third, prefill="local")
         assert report["prefix"]["decode_cached_tokens"] == len(second) + len(reply2) - 1
+        # the next turn with the reply rendered otherwise than it was generated (a template
+        # that drops a reasoning model's thinking): reused from the state snapshot the decode
+        # node kept at the end of `third`'s prompt (it reused nothing before snapshots)
+        fourth = third + [(r + 1) % 512 for r in reply3[:4]] + prompt_ids(15, seed=11)
+        _, report = turn(fourth)
+        assert report["prefix"]["decode_cached_tokens"] == len(third)
+        assert report["kv_bytes"] == 2 * (len(fourth) - len(third)) * per_position + states
     finally:
         t.stop()
         m.stop()

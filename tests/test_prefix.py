@@ -113,6 +113,62 @@ def test_a_checkout_is_settled_once_whichever_comes_first():
     assert pc.evict(10**9) > 0 and len(pc) == 0  # unpinned exactly once
 
 
+class RecurrentOps(FakeOps):
+    """A hybrid model's cache: its state is that of its whole length (reuse_floor), so only
+    a snapshot serves a shorter prefix; `restore` puts one back and cuts the KV to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.restored: list[int] = []
+
+    def reuse_floor(self, c):
+        return c.length
+
+    def fork(self, c, n, capacity):
+        raise AssertionError("a recurrent layer's state cannot be copied at a shorter length")
+
+    def restore(self, c, states):
+        self.restored.append(states[0].token_start)
+        c.length = states[0].token_start
+
+
+def _snapshot(position: int, nbytes: int = 1000):
+    from exo_split.layers import LayerState
+
+    return [LayerState(0, position, (np.zeros(nbytes, np.uint8),), (False,), "float32")]
+
+
+def test_a_hybrids_next_turn_reuses_the_prompts_snapshot_when_the_reply_is_rendered_otherwise():
+    """The reply as the next turn's template renders it differs from what was generated (a
+    reasoning model's thinking dropped): the entry's own end is no use, its snapshot at the
+    end of the prompt is. The entry is taken (the reply's part dropped), its state restored
+    there; a prompt sharing less than the snapshot, or another client's, reuses nothing."""
+    ops = RecurrentOps()
+    pc = PrefixCache(ops, limit_bytes=10**9)
+    prompt, reply = list(range(100)), [700 + i for i in range(90)]  # a reply past the slack
+    cache = FakeCache(300)
+    cache.data[:190] = prompt + reply
+    cache.length = 189  # its last token was never fed
+    pc.put((prompt + reply)[:189], cache, "", [_snapshot(100), _snapshot(4), _snapshot(189)])
+    assert pc.nbytes == 300 * BYTES_PER_POSITION + 1000  # one snapshot kept: at 100
+    assert pc.checkout([*prompt[:60], 1, 2]).how == "none"  # short of the snapshot
+    assert pc.checkout([*prompt, 5], "another client").how == "none"
+    second = [*prompt, 9, 9, 9, 41]  # the reply rendered otherwise, then a new user turn
+    co = pc.checkout(second)
+    assert (co.how, co.cached) == ("take", 100) and len(pc) == 0
+    pc.cancel(co)  # refused meanwhile: the entry comes back, its snapshot with it
+    assert len(pc) == 1 and pc.nbytes == 300 * BYTES_PER_POSITION + 1000
+    co = pc.checkout(second)
+    got = pc.materialize(co, capacity=260)
+    assert got is cache and ops.restored == [100] and got.length == 100 and ops.forks == 0
+    assert pc.stats["from_snapshots"] == 2
+    # the whole entry still serves a prompt that continues all of it, without a snapshot
+    cache.length = 189
+    pc.put((prompt + reply)[:189], cache, "")
+    co = pc.checkout([*prompt, *reply, 3])
+    assert (co.how, co.cached, co.snapshot) == ("take", 189, None)
+
+
 def test_nothing_shared_reuses_nothing():
     pc = PrefixCache(FakeOps(), limit_bytes=10**9)
     run(pc, [1, 2, 3])

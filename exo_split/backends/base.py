@@ -194,6 +194,10 @@ class Backend(Protocol):
         """Bytes the cache's buffers take (their capacity, not the length used)."""
         ...
 
+    # A model with recurrent layers (layers.py) also has (node/prefix.py's turn snapshots):
+    # snapshot(cache) -> list[LayerState], copies of its recurrent layers' states now; and
+    # restore(cache, states): those states back, and every KV layer cut to their position.
+
 
 class Cancelled(Exception):
     """A prefill was stopped by its `should_stop` callback."""

@@ -436,6 +436,16 @@ class MLXBackend:
         mx.eval([(c.keys, c.values) for c in out])  # no view of the source outlives this
         return out
 
+    def snapshot(self, cache: list[KVCache]) -> list[LayerState]:
+        return [
+            mlx_cache.piece(c, self.spec, self.dtype, to_numpy, None) for c in cache if is_state(c)
+        ]
+
+    def restore(self, cache: list[KVCache], states: list[LayerState]) -> None:
+        for st in states:  # copied in: a later receive writes into the arrays in place
+            mlx_cache.inject(cache[st.layer], st, self.dtype)
+        self.trim(cache, states[0].token_start)
+
     def cache_nbytes(self, cache: list[KVCache]) -> int:
         return sum(c.nbytes if is_state(c) else c.keys.nbytes + c.values.nbytes
                    for c in cache if is_state(c) or c.keys is not None)  # fmt: skip

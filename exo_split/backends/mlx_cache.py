@@ -174,4 +174,5 @@ def inject(c: StateCache, st: LayerState, kv_dtype: str) -> None:
         x = mx.array(a)
         arrays.append((x.view(mx.bfloat16) if follows and kv_dtype == "bfloat16" else x)[None])
     c.cache, c.offset = arrays, st.token_start
+    c._undo = c._before = None  # a step before this state cannot be taken back
     mx.eval(c.cache)

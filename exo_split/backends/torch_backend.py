@@ -294,6 +294,19 @@ class TorchBackend(StagedBackend):
     def trim(self, cache: PreallocatedCache, n: int) -> None:
         if cache.kv_layers != cache.layers and n != self.cache_len(cache):
             raise ValueError("a recurrent layer's state cannot be cut back to a prefix")
+        self._cut(cache, n)
+
+    def snapshot(self, cache: PreallocatedCache) -> list[LayerState]:
+        n = self.cache_len(cache)
+        return [self._state_piece(cache, i, n).copy() for i, layer in enumerate(cache.layers)
+                if torch_state.is_state(layer)]  # fmt: skip
+
+    def restore(self, cache: PreallocatedCache, states: list[LayerState]) -> None:
+        for st in states:
+            self.inject(cache, st)
+        self._cut(cache, states[0].token_start)
+
+    def _cut(self, cache: PreallocatedCache, n: int) -> None:
         for layer in cache.kv_layers:
             if n > layer.length:
                 raise ValueError(f"cannot trim a layer of {layer.length} positions to {n}")

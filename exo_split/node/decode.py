@@ -363,6 +363,8 @@ class Coordinator(RemotePull):
         """One choice's decode after the prefill, and its `done` event (the cache in `box`
         is its own, taken out of it)."""
         ids, req, stats = shared.ids, c.req, DecodeStats()
+        # recurrent layers' states at the prompt's end, a turn boundary (node/prefix.py)
+        snap = await self._run(self.backend.snapshot, box[0]) if reuse is not None else []
         if not c.ended:
             first = (ids[-1], 0) if shared.own else (c.tokens[0], 1)
             need = self.kv_need(len(ids), req.max_tokens)
@@ -372,7 +374,7 @@ class Coordinator(RemotePull):
         else:
             cache = box.pop()
         if reuse is not None and cache is not None:
-            await self._keep(reuse, cache, ids + c.tokens, req.scope)
+            await self._keep(reuse, cache, ids + c.tokens, req.scope, snap)
         del cache
         tokens = c.tokens
         stopped_by = (
@@ -423,12 +425,12 @@ class Coordinator(RemotePull):
                 return False
         return True
 
-    async def _keep(self, reuse: PrefixCache, cache, tokens: list[int], scope: str) -> None:
+    async def _keep(self, reuse: PrefixCache, cache, tokens, scope: str, snap: list) -> None:
         """Hand a finished request's cache to the prefix cache: it covers the prompt and the
         tokens fed back in (a stop or `until` may leave one more computed: trimmed)."""
         n = min(await self._run(self.backend.cache_len, cache), len(tokens))
         await self._run(self.backend.trim, cache, n)
-        reuse.put(tokens[:n], cache, scope)
+        reuse.put(tokens[:n], cache, scope, [snap] if snap else ())
 
     async def _decode(self, box, first, req, stop, stats, c: Choice, need,
                       keep) -> tuple[bool, object]:  # fmt: skip

@@ -12,6 +12,14 @@ common prefix, extended in place, no copy. A request that shares only the start 
 a conversation, a shared document) *copies* positions [0, m) into a cache of its own, and the
 entry stays. The last prompt position is always computed: its logits pick the first token.
 
+A model with recurrent layers (layers.py) cannot cut a state back to a shorter prefix: its
+entry serves a prompt that continues all of it, or one that continues it up to one of its
+*snapshots* (its recurrent layers' states at a turn boundary: the end of the prompt, kept by
+the decode node while the reply is decoded), which then takes the entry, cut back to the
+snapshot, the reply's part dropped (a state cannot be copied out at a shorter length). This
+is what a chat's next turn needs when its template renders the last reply otherwise than
+it was generated (a reasoning model's thinking dropped from the history).
+
 The node's KV ledger (transport/limits.py) counts `nbytes` and calls `evict` before it
 refuses a request, so a cached prefix never stands in the way of work that fits.
 """
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,7 +48,8 @@ class CacheOps(Protocol):
     def cache_nbytes(self, cache: Any) -> int: ...
 
     # Optional: reuse_floor(cache) -> int, the shortest prefix a cache can serve (a layer
-    # that keeps only a window must still hold the window before the next position).
+    # that keeps only a window must still hold the window before the next position); and
+    # for snapshots, restore(cache, states) (backends/base.py).
 
 
 @dataclass(eq=False)
@@ -52,6 +61,8 @@ class _Entry:
     pins: int = 0  # copies in progress read it: not evictable meanwhile
     floor: int = 0  # it serves prefixes of at least this many positions (sliding windows)
     scope: str = ""  # the client it belongs to (transport/keys.py): it serves that one only
+    # position -> the recurrent layers' states there (a backend's snapshot), below `floor`
+    snapshots: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -63,6 +74,7 @@ class Checkout:
     cached: int = 0  # positions [0, cached) of the prompt the request will not compute
     entry: _Entry | None = field(default=None, repr=False)
     settled: bool = False
+    snapshot: Any = field(default=None, repr=False)  # the states to restore at `cached`
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -80,7 +92,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.stats = {"lookups": 0, "hits": 0, "taken": 0, "copied": 0, "tokens_reused": 0,
-                      "evicted": 0, "evicted_bytes": 0}  # fmt: skip
+                      "from_snapshots": 0, "evicted": 0, "evicted_bytes": 0}  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,8 +109,10 @@ class PrefixCache:
                 if e.scope != scope:
                     continue  # another client's: never seen, never timed (issue 18, M6)
                 k = min(common_prefix(e.tokens, want), len(want) - 1)  # the last is computed
-                if k < e.floor:
-                    continue  # it lacks the window before position k
+                if k < e.floor:  # it lacks the window before position k, or the state at k
+                    k = max((p for p in e.snapshots if p <= k and not e.pins), default=-1)
+                    if k < MIN_REUSE:
+                        continue
                 if k > m or (k == m and k and best is not None and e.used > best.used):
                     best, m = e, k
             if best is None or m < MIN_REUSE:
@@ -106,6 +120,11 @@ class PrefixCache:
             self.stats["hits"] += 1
             self.stats["tokens_reused"] += m
             best.used = next(self._tick)
+            if m < best.floor:  # from a snapshot: the entry is taken, cut back to it
+                self._remove(best)
+                self.stats["taken"] += 1
+                self.stats["from_snapshots"] += 1
+                return Checkout("take", m, best, snapshot=best.snapshots[m])
             # Taken only when the request continues the entry (it loses at most a little) and
             # no copy is reading it: a take hands the entry's cache away, and a pinned copy
             # in progress would then fork from nothing (issue 18, M1). Else it is copied.
@@ -126,7 +145,10 @@ class PrefixCache:
         if co.how == "take":
             cache = co.entry.cache
             co.entry.cache = None
-            self.ops.trim(cache, co.cached)
+            if co.snapshot is not None:
+                self.ops.restore(cache, co.snapshot)  # type: ignore[attr-defined]
+            else:
+                self.ops.trim(cache, co.cached)
             self.ops.reserve(cache, capacity)
             return cache
         try:
@@ -141,7 +163,8 @@ class PrefixCache:
         if co.entry is None or not self._settle(co):
             return
         if co.how == "take":
-            self.put(co.entry.tokens, co.entry.cache, co.entry.scope)
+            e = co.entry
+            self.put(e.tokens, e.cache, e.scope, e.snapshots.values())
         else:
             with self._lock:
                 co.entry.pins -= 1
@@ -151,11 +174,18 @@ class PrefixCache:
             first, co.settled = not co.settled, True
             return first
 
-    def put(self, tokens: Sequence[int], cache: Any, scope: str = "") -> None:
+    def put(self, tokens: Sequence[int], cache: Any, scope: str = "",
+            snapshots: Iterable[Sequence[Any]] = ()) -> None:  # fmt: skip
         """Keep a finished request's cache (it covers exactly `tokens`); entries that are a
-        prefix of it go (it holds all they do). Then evict down to the limit, LRU first."""
+        prefix of it go (it holds all they do). Then evict down to the limit, LRU first.
+        `snapshots`: for a model with recurrent layers, their states at earlier positions
+        (each a backend's `snapshot`: a list of LayerState, all at one position)."""
         t = np.asarray(tokens, dtype=np.int32)
-        nbytes = self.ops.cache_nbytes(cache)
+        floor = getattr(self.ops, "reuse_floor", lambda c: 0)(cache)
+        # a snapshot at or past the floor adds nothing: any prefix from there on serves
+        at = {s[0].token_start: s for s in snapshots if s}
+        kept = {p: s for p, s in at.items() if MIN_REUSE <= p < floor}
+        nbytes = self.ops.cache_nbytes(cache) + sum(st.nbytes for s in kept.values() for st in s)
         if not len(t) or nbytes > self.limit:
             return
         with self._lock:
@@ -167,9 +197,8 @@ class PrefixCache:
                     and common_prefix(e.tokens, t) == len(e.tokens)
                 ):
                     self._remove(e)
-            floor = getattr(self.ops, "reuse_floor", lambda c: 0)(cache)
             self._entries.append(_Entry(t, cache, nbytes, next(self._tick), floor=floor,
-                                        scope=scope))  # fmt: skip
+                                        scope=scope, snapshots=kept))  # fmt: skip
             self.nbytes += nbytes
             self._evict_locked(self.nbytes - self.limit)
 
