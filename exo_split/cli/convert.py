@@ -13,11 +13,13 @@ from exo_split.cli.common import conversion_progress, say
 def add_convert_gguf(subparsers) -> None:
     p = subparsers.add_parser(
         "convert-gguf",
-        help="convert a Llama/Mistral/Qwen2/Qwen3 GGUF file into a checkpoint directory",
+        help="convert a Llama/Mistral/Qwen2/Qwen3 (MoE)/Gemma 3/gpt-oss GGUF file into a "
+        "checkpoint directory",
         description="Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json "
         "(with the chat template) and generation_config.json (the end-of-turn ids) for a GGUF "
         "file. Quantized weights are dequantized: both nodes run the same full-precision "
-        "numbers. Needs no torch, so the Mac can convert too.",
+        "numbers (gpt-oss's MXFP4 experts are repacked as OpenAI publishes them, the same "
+        "numbers). Needs no torch, so the Mac can convert too.",
     )
     p.add_argument("gguf", type=Path, metavar="FILE.gguf", help="the GGUF file")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the directory to write")

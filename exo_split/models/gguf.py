@@ -54,6 +54,7 @@ SUPPORTED_TYPES = (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+    "MXFP4",  # gpt-oss's experts (repacked, not dequantized: models/gguf_gpt_oss.py)
 )  # fmt: skip
 
 
@@ -80,7 +81,7 @@ def convert_gguf(
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a Hugging Face checkpoint directory for a Llama/Mistral/Qwen2/Qwen3 GGUF.
+    """Write a Hugging Face checkpoint directory for a GGUF of ARCHITECTURES.
 
     Raises BadCheckpoint (before writing anything) for a file that is not GGUF, or holds an
     architecture, quantization type, tokenizer or RoPE scaling that exo-split cannot run.
@@ -255,7 +256,7 @@ def _architecture(meta: dict[str, Any]) -> str:
             + ", ".join(ARCHITECTURES)
             + " (Mistral 7B GGUFs are 'llama')"
         )
-    if arch != "qwen3moe" and int(meta.get(f"{arch}.expert_count") or 0) > 0:
+    if arch not in ("qwen3moe", "gpt-oss") and int(meta.get(f"{arch}.expert_count") or 0) > 0:
         raise BadCheckpoint(
             f"{arch} GGUF with {meta[f'{arch}.expert_count']} experts: mixture-of-experts "
             "models are not supported, expected a dense model"

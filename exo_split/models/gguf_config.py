@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from exo_split.errors import BadCheckpoint
+from exo_split.models import gguf_gpt_oss
 from exo_split.models.gguf_vocab import Vocab
 
 # GGUF general.architecture -> (transformers model_type, class). Mistral 7B files say "llama".
@@ -24,6 +25,7 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # What llama.cpp's gemma3 hard-codes instead of storing: every 6th layer global, the local
 # layers' RoPE base, and 1/sqrt(query_pre_attn_scalar) (hidden/heads for the 62-layer 27B).
@@ -69,15 +71,18 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
             f"partial RoPE ({meta[f'{arch}.rope.dimension_count']} of {head_dim} dims) is not "
             "supported: expected RoPE over the whole head"
         )
-    if meta.get(f"{arch}.attention.sliding_window") and arch != "gemma3":
+    if meta.get(f"{arch}.attention.sliding_window") and arch not in ("gemma3", "gpt-oss"):
         raise BadCheckpoint("sliding-window attention GGUFs are not supported")
     if "token_embd.weight" not in tensors:
         raise BadCheckpoint("the GGUF has no token_embd.weight")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])
     if len(vocab.tokens) > vocab_size:
         raise BadCheckpoint(f"{len(vocab.tokens)} tokens but only {vocab_size} embedding rows")
-    theta = float(key("rope.freq_base", 10000.0))
-    scaling = _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), theta, head_dim)
+    theta = decimal(key("rope.freq_base", 10000.0))
+    if arch == "gpt-oss":
+        scaling = gguf_gpt_oss.rope_scaling(meta)
+    else:
+        scaling = _rope_scaling(meta, arch, tensors.get(ROPE_FREQS), theta, head_dim)
     has = lambda suffix: f"blk.0.{suffix}" in tensors  # noqa: E731
     attention_bias = has("attn_q.bias")
     if model_type == "qwen2" and not attention_bias:
@@ -99,7 +104,7 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(key("context_length", 4096)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": decimal(key("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta, **(scaling or {})},
@@ -113,7 +118,7 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         "dtype": dtype,
         "torch_dtype": dtype,  # transformers 4 and older mlx-lm read this name
     }
-    if has("ffn_up.bias") or has("attn_output.bias"):
+    if arch != "gpt-oss" and (has("ffn_up.bias") or has("attn_output.bias")):
         raise BadCheckpoint("MLP or output-projection biases are not supported: expected none")
     if model_type == "llama":
         config["mlp_bias"] = False
@@ -121,6 +126,8 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         config |= _gemma3(meta, config, scaling)
     elif arch == "qwen3moe":
         config |= _qwen3moe(key, tensors)
+    elif arch == "gpt-oss":
+        config |= gguf_gpt_oss.config(meta, key, tensors, config)
     else:
         config |= {"use_sliding_window": False, "sliding_window": None}
     return config
@@ -174,6 +181,13 @@ def _gemma3(meta: dict[str, Any], config: dict[str, Any], scaling) -> dict[str, 
     }
 
 
+def decimal(value: Any) -> float:
+    """A float the GGUF stores as float32, as the shortest decimal that reads back as that
+    float32 (1e-05, not 9.999999747378752e-06): the value the original config.json held, so
+    a converted checkpoint fingerprints as the original it came from (spec.py)."""
+    return float(str(np.float32(value)))
+
+
 _MAX_SIZE = 1 << 24  # no model dimension comes near 16M; larger is a damaged file
 
 
@@ -210,7 +224,7 @@ def _rope_scaling(meta, arch: str, freqs, theta: float, head_dim: int) -> dict[s
     if kind in (None, "none") and (factor is None or float(factor) == 1.0):
         return None
     if kind in (None, "linear"):
-        return {"rope_type": "linear", "factor": float(factor)}
+        return {"rope_type": "linear", "factor": decimal(factor)}
     raise BadCheckpoint(
         f"unsupported RoPE scaling {kind!r}: exo-split supports none, linear and llama3"
     )

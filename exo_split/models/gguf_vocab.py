@@ -41,6 +41,16 @@ _TEKKEN = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, gpt-oss): tekken's words with English contractions kept on them, and numbers
+# in groups of up to three digits.
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    + _CONTRACTION
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    + _CONTRACTION
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,7 @@ _PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     # Qwen's tokenizer.json NFC-normalizes; the model was trained on that.
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), PreTokenizer(_QWEN2, nfc=True)),
     "tekken": PreTokenizer(_TEKKEN, ignore_merges=True, add_bos=True),
+    "gpt-4o": PreTokenizer(_O200K, ignore_merges=True),
 }
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")
 

@@ -14,13 +14,14 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from exo_split.errors import BadCheckpoint
+from exo_split.models import gguf_gpt_oss
 from exo_split.models.gguf_config import ROPE_FREQS
 
 GLOBAL_TENSORS = {
@@ -72,10 +73,16 @@ class PlannedTensor:
     unpermute_heads: int | None  # llama Q/K: heads to undo llama.cpp's RoPE permutation over
     shift: float = 0.0  # subtracted after dequantization (Gemma's 1 + w norms)
     index: int | None = None  # one expert of a stacked [experts, out, in] tensor
+    # Made otherwise than by dequantizing `source` (gpt-oss's repacked MXFP4 experts, from
+    # two GGUF tensors): the array, as float32 or, with `stored`, as written ("U8": bytes).
+    build: Callable[[], np.ndarray] | None = field(default=None, compare=False)
+    stored: str | None = None
 
 
 def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[PlannedTensor]:
     """Every tensor to write, with its transformers name and checked shape."""
+    if arch == gguf_gpt_oss.ARCH:
+        return _gpt_oss_plan(tensors, config)
     n_layers = config["num_hidden_layers"]
     d, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -162,6 +169,51 @@ def tensor_plan(tensors: dict, config: dict[str, Any], arch: str) -> list[Planne
     return plan
 
 
+def _gpt_oss_plan(tensors: dict, config: dict[str, Any]) -> list[PlannedTensor]:
+    """gpt-oss: its experts repacked as OpenAI's MXFP4 (models/gguf_gpt_oss.py), every other
+    tensor one to one."""
+    n_layers, d, v = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    e = config["num_local_experts"]
+    shapes = {
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (nh * hd, d), "self_attn.k_proj.weight": (nkv * hd, d),
+        "self_attn.v_proj.weight": (nkv * hd, d), "self_attn.o_proj.weight": (d, nh * hd),
+        "self_attn.q_proj.bias": (nh * hd,), "self_attn.k_proj.bias": (nkv * hd,),
+        "self_attn.v_proj.bias": (nkv * hd,), "self_attn.o_proj.bias": (d,),
+        "self_attn.sinks": (nh,), "mlp.router.weight": (e, d), "mlp.router.bias": (e,),
+        "mlp.experts.down_proj_bias": (e, d),
+    }  # fmt: skip
+    expected = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+                "lm_head.weight": (v, d)}  # fmt: skip
+    for i in range(n_layers):
+        expected |= {f"model.layers.{i}.{k}": s for k, s in shapes.items()}
+    plan = []
+    for gguf_name, t in tensors.items():
+        m = _LAYER.fullmatch(gguf_name)
+        if m and m[2] in gguf_gpt_oss.EXPERT_TENSORS:
+            continue  # below, a layer's at a time
+        name = _hf_name(gguf_name, n_layers, gguf_gpt_oss.LAYER_TENSORS)
+        if name not in expected:
+            raise BadCheckpoint(f"unexpected tensor {gguf_name} in a gpt-oss GGUF")
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if math.prod(shape) != math.prod(expected[name]) or shape[-1] != expected[name][-1]:
+            raise BadCheckpoint(f"{gguf_name} has shape {shape}, expected {expected[name]}")
+        plan.append(PlannedTensor(t, name, expected[name], None))
+    missing = sorted(set(expected) - {p.name for p in plan})
+    if missing:
+        raise BadCheckpoint(
+            f"the GGUF lacks {len(missing)} tensor(s) gpt-oss needs, e.g. {missing[0]}"
+        )
+    for i in range(n_layers):
+        plan += gguf_gpt_oss.experts_plan(tensors, i, config, _planned)
+    return plan
+
+
+def _planned(source, name: str, shape: tuple[int, ...], **kw) -> PlannedTensor:
+    return PlannedTensor(source, name, shape, None, **kw)
+
+
 def _hf_name(gguf_name: str, n_layers: int, layer_tensors: dict[str, str]) -> str | None:
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
@@ -182,6 +234,9 @@ def _weights(plan: list[PlannedTensor]) -> Iterator[np.ndarray]:
     from gguf import dequantize
 
     for p in plan:
+        if p.build is not None:
+            yield p.build()
+            continue
         data = p.source.data
         if p.index is not None:  # one expert: its rows of the stacked tensor only
             data = data.reshape(int(p.source.shape[-1]), -1)[p.index]
@@ -218,9 +273,9 @@ def write_safetensors(
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for p in plan:
-        n = math.prod(p.shape) * size
+        n = math.prod(p.shape) * (1 if p.stored == "U8" else size)
         header[p.name] = {
-            "dtype": code,
+            "dtype": p.stored or code,
             "shape": list(p.shape),
             "data_offsets": [offset, offset + n],
         }
@@ -231,7 +286,12 @@ def write_safetensors(
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for i, (p, w) in enumerate(zip(plan, _weights(plan), strict=True)):
-            bits = w.astype("<f4") if dtype == "float32" else float32_to_bfloat16_bits(w)
+            if p.stored == "U8":
+                bits = np.asarray(w, dtype=np.uint8).reshape(p.shape)
+            elif dtype == "float32":
+                bits = w.astype("<f4")
+            else:
+                bits = float32_to_bfloat16_bits(w)
             f.write(np.ascontiguousarray(bits).reshape(-1).view(np.uint8))
             if on_tensor:
                 on_tensor(i, p)
