@@ -579,10 +579,12 @@ def test_a_probe_reader_that_stops_reading_is_cut_off(monkeypatch):
     assert got < 64 << 20 and status == 200  # cut off, and the node serves on
 
 
-def _ring_stream(llama, n, reader, *, deadline=600.0, slot_timeout=30.0, during=None):
+def _ring_stream(llama, n, reader, *, deadline=600.0, slot_timeout=30.0, during=None,
+                 ended=None):  # fmt: skip
     """stream_prefill with the real torch backend copying into a ring of 2 slots of 16
     positions (the GPU's path, on the CPU), over a socketpair with 16 KiB buffers whose far
-    end `reader(sock)` reads. `during(executor)` runs once the prefill is submitted."""
+    end `reader(sock)` reads. `during(executor)` runs once the prefill is submitted;
+    `ended()` once the stream has ended, before the reader's thread is joined."""
     from exo_split.backends import load_backend
 
     backend = load_backend("torch", llama)
@@ -605,6 +607,8 @@ def _ring_stream(llama, n, reader, *, deadline=600.0, slot_timeout=30.0, during=
                 finally:
                     conn.close()
         finally:
+            if ended is not None:
+                ended()
             await asyncio.to_thread(thread.join, 60)
 
     return asyncio.run(run())
@@ -647,6 +651,6 @@ def test_a_receiver_that_never_takes_the_stream_is_cut_off_at_the_total_deadline
 
     with pytest.raises(ClientGone, match="had not taken the whole stream 1 s after it began"):
         try:
-            _ring_stream(llama, 300, reader, deadline=1.0, slot_timeout=300.0)
+            _ring_stream(llama, 300, reader, deadline=1.0, slot_timeout=300.0, ended=stop.set)
         finally:
             stop.set()
