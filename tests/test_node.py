@@ -290,3 +290,24 @@ def test_two_machine_smoke_script_passes_on_a_good_pair_and_says_what_is_wrong(p
     assert other_model.returncode == 1
     assert "FAIL same model on both" in other_model.stdout
     assert "split request" not in other_model.stdout
+
+
+def test_a_ready_node_has_frozen_its_start_up_objects_out_of_the_collectors_reach(pairs):
+    """A full collection of what a node loads (transformers, MLX, the model) takes ~150 ms:
+    a stall in every stream of the node. Once ready, both kinds of node have frozen those
+    objects (gc.freeze), so a later collection scans only what requests made; after a
+    split the collector has still run (it is frozen out of, not off)."""
+    import asyncio
+    import json
+
+    from nodes import request
+
+    t, m = pairs["llama"]
+    generate_sync(m.url, {"token_ids": prompt_ids(300, seed=9), "max_tokens": 4,
+                          "prefill_peer": t.addr})  # fmt: skip
+    for node in (t, m):
+        status, raw, _ = asyncio.run(request("GET", f"{node.url}/v1/info"))
+        assert status == 200
+        gc_stats = json.loads(raw)["stats"]["gc"]
+        assert gc_stats["frozen"] > 10_000, gc_stats
+        assert len(gc_stats["collections"]) == 3 and gc_stats["collections"][0] > 0

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -71,6 +72,7 @@ class NodeConfig:
     cache_dir: Path | None = None  # measured speeds are cached here; None: not cached
     warmup: bool = True  # measure speeds at start-up (unless cached)
     remeasure: bool = False  # measure even when cached
+    gc_freeze: bool = True  # start-up's objects out of the cyclic GC's reach once ready
     model_name: str | None = None  # the model's id in the OpenAI API; None: the directory's name
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
@@ -440,6 +442,8 @@ class Node:
             discovery_at = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
             await self.presence.start(port)  # advertised from here until the finally below
             self._refresh_info()
+            if self.config.gc_freeze:  # a full collection would scan the model's and the
+                gc.freeze()  # libraries' objects: ~150 ms, a stall in every stream
             self.progress(self._mdns_line())
             self.progress(
                 f"exo-split node ready: backend={self.backend.name} device={self.backend.device} "

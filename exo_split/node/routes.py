@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ async def info(request: web.Request) -> web.Response:
     cache = state.prefix.describe() if state.prefix is not None else _NO_PREFIX_CACHE
     stats["batch"] = state.batch.describe() if state.batch is not None else None
     stats["memory"] = state.backend.memory()
+    stats["gc"] = {"frozen": gc.get_freeze_count(),
+                   "collections": [g["collections"] for g in gc.get_stats()]}  # fmt: skip
     engine = getattr(state.backend, "describe", None)  # vLLM's own counts
     stats["engine"] = engine() if engine is not None else None
     return web.json_response({**state.info, "stats": stats, "prefix_cache": cache})
