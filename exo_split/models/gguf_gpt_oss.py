@@ -25,16 +25,9 @@ from exo_split.errors import BadCheckpoint
 
 ARCH = "gpt-oss"
 BLOCK = 32  # values per MXFP4 block
+# Beside the attention tensors every family has (gguf_weights.LAYER_TENSORS):
 LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
     "attn_sinks.weight": "self_attn.sinks",
     "ffn_gate_inp.weight": "mlp.router.weight",

@@ -60,6 +60,16 @@ MOE_LAYER_TENSORS = {k: v for k, v in LAYER_TENSORS.items() if not k.startswith(
 MOE_LAYER_TENSORS["ffn_gate_inp.weight"] = "mlp.gate.weight"
 EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
            "ffn_down_exps.weight": "down_proj"}  # fmt: skip
+# gpt-oss: the attention projections, biases and input norm every family has (not Qwen3's
+# q/k norms), then its own (an output bias, sinks, its post-attention norm, the router).
+GPT_OSS_LAYER_TENSORS = {
+    **{
+        k: v
+        for k, v in LAYER_TENSORS.items()
+        if k.startswith("attn_") and "_k_norm" not in k and "_q_norm" not in k
+    },
+    **gguf_gpt_oss.LAYER_TENSORS,
+}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -193,7 +203,7 @@ def _gpt_oss_plan(tensors: dict, config: dict[str, Any]) -> list[PlannedTensor]:
         m = _LAYER.fullmatch(gguf_name)
         if m and m[2] in gguf_gpt_oss.EXPERT_TENSORS:
             continue  # below, a layer's at a time
-        name = _hf_name(gguf_name, n_layers, gguf_gpt_oss.LAYER_TENSORS)
+        name = _hf_name(gguf_name, n_layers, GPT_OSS_LAYER_TENSORS)
         if name not in expected:
             raise BadCheckpoint(f"unexpected tensor {gguf_name} in a gpt-oss GGUF")
         shape = tuple(int(x) for x in reversed(t.shape))
