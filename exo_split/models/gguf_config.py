@@ -16,6 +16,7 @@ import numpy as np
 
 from exo_split.errors import BadCheckpoint
 from exo_split.models import gguf_gpt_oss
+from exo_split.models.gguf_values import decimal, dim, uniform_dim
 from exo_split.models.gguf_vocab import Vocab
 
 # GGUF general.architecture -> (transformers model_type, class). Mistral 7B files say "llama".
@@ -45,11 +46,11 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
             raise BadCheckpoint(f"the GGUF lacks {arch}.{name}, which the conversion needs")
         return value
 
-    n_heads = _size(key("attention.head_count"), f"{arch}.attention.head_count")
-    n_kv = _uniform(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
-    hidden = _size(key("embedding_length"), f"{arch}.embedding_length")
-    head_dim = _size(key("attention.key_length", hidden // n_heads), f"{arch}.attention.key_length")
-    n_layers = _size(key("block_count"), f"{arch}.block_count")
+    n_heads = dim(key("attention.head_count"), f"{arch}.attention.head_count")
+    n_kv = uniform_dim(key("attention.head_count_kv", n_heads), f"{arch}.attention.head_count_kv")
+    hidden = dim(key("embedding_length"), f"{arch}.embedding_length")
+    head_dim = dim(key("attention.key_length", hidden // n_heads), f"{arch}.attention.key_length")
+    n_layers = dim(key("block_count"), f"{arch}.block_count")
     # Each layer has tensors of its own: a count beyond them is a damaged (or hostile) file,
     # and looping over it (2^32 layers) would never end.
     blocks = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
@@ -92,7 +93,7 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": _size(
+        "intermediate_size": dim(
             meta.get(f"{arch}.feed_forward_length") or key("expert_feed_forward_length")
             if arch == "qwen3moe"
             else key("feed_forward_length"),
@@ -136,8 +137,8 @@ def hf_config(meta: dict[str, Any], tensors: dict, vocab: Vocab, *, dtype: str) 
 def _qwen3moe(key, tensors: dict) -> dict[str, Any]:
     """Every layer a mixture of experts (llama.cpp's qwen3moe has no dense layers), top-k
     weights renormalized (llama.cpp's qwen3moe always does: transformers' default is not)."""
-    experts = _size(key("expert_count"), "qwen3moe.expert_count")
-    used = _size(key("expert_used_count"), "qwen3moe.expert_used_count")
+    experts = dim(key("expert_count"), "qwen3moe.expert_count")
+    used = dim(key("expert_used_count"), "qwen3moe.expert_used_count")
     if used > experts:
         raise BadCheckpoint(f"{used} experts per token of {experts}: a damaged GGUF")
     if any(".ffn_gate_inp_shexp." in name or ".ffn_up_shexp." in name for name in tensors):
@@ -145,7 +146,7 @@ def _qwen3moe(key, tensors: dict) -> dict[str, Any]:
     return {
         "num_experts": experts,
         "num_experts_per_tok": used,
-        "moe_intermediate_size": _size(
+        "moe_intermediate_size": dim(
             key("expert_feed_forward_length"), "qwen3moe.expert_feed_forward_length"
         ),  # fmt: skip
         "norm_topk_prob": True,
@@ -179,36 +180,6 @@ def _gemma3(meta: dict[str, Any], config: dict[str, Any], scaling) -> dict[str, 
         "attn_logit_softcapping": None,
         "use_bidirectional_attention": False,
     }
-
-
-def decimal(value: Any) -> float:
-    """A float the GGUF stores as float32, as the shortest decimal that reads back as that
-    float32 (1e-05, not 9.999999747378752e-06): the value the original config.json held, so
-    a converted checkpoint fingerprints as the original it came from (spec.py)."""
-    return float(str(np.float32(value)))
-
-
-_MAX_SIZE = 1 << 24  # no model dimension comes near 16M; larger is a damaged file
-
-
-def _size(value: Any, what: str) -> int:
-    """A model dimension: an integer from 1 to _MAX_SIZE, else BadCheckpoint naming it."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise BadCheckpoint(f"{what} is {value!r}: expected a positive integer")
-    if not 1 <= int(value) <= _MAX_SIZE:
-        raise BadCheckpoint(f"{what} is {int(value):,}: expected 1 to {_MAX_SIZE:,}")
-    return int(value)
-
-
-def _uniform(value: Any, what: str) -> int:
-    """A per-layer array that must hold one value for every layer (or a plain int)."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise BadCheckpoint(
-                f"{what} differs between layers ({sorted(set(value))}): expected one value"
-            )
-        value = value[0]
-    return _size(value, what)
 
 
 def _rope_scaling(meta, arch: str, freqs, theta: float, head_dim: int) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from exo_split.errors import BadCheckpoint
+from exo_split.models.gguf_values import decimal, dim
 
 ARCH = "gpt-oss"
 BLOCK = 32  # values per MXFP4 block
@@ -43,10 +44,8 @@ NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model
 
 def config(meta: dict[str, Any], key, tensors: dict, base: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's own fields, on top of the common config `base`."""
-    from exo_split.models.gguf_config import _size
-
-    experts = _size(key("expert_count"), f"{ARCH}.expert_count")
-    used = _size(key("expert_used_count"), f"{ARCH}.expert_used_count")
+    experts = dim(key("expert_count"), f"{ARCH}.expert_count")
+    used = dim(key("expert_used_count"), f"{ARCH}.expert_used_count")
     if used > experts:
         raise BadCheckpoint(f"{used} experts per token of {experts}: a damaged GGUF")
     kinds = {tensors[f"blk.0.{n}"].tensor_type.name for n in EXPERT_TENSORS[:3]
@@ -57,7 +56,7 @@ def config(meta: dict[str, Any], key, tensors: dict, base: dict[str, Any]) -> di
             "converts gpt-oss GGUFs whose experts are MXFP4, as llama.cpp writes them"
         )
     n = base["num_hidden_layers"]
-    ff = _size(key("expert_feed_forward_length", base["intermediate_size"]),
+    ff = dim(key("expert_feed_forward_length", base["intermediate_size"]),
                f"{ARCH}.expert_feed_forward_length")  # fmt: skip
     if base["hidden_size"] % BLOCK or ff % BLOCK:
         raise BadCheckpoint(f"MXFP4 experts need sizes that are multiples of {BLOCK}")
@@ -65,9 +64,7 @@ def config(meta: dict[str, Any], key, tensors: dict, base: dict[str, Any]) -> di
         "intermediate_size": ff,
         "num_local_experts": experts,
         "num_experts_per_tok": used,
-        "sliding_window": _size(
-            key("attention.sliding_window"), f"{ARCH}.attention.sliding_window"
-        ),
+        "sliding_window": dim(key("attention.sliding_window"), f"{ARCH}.attention.sliding_window"),
         "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
         "attention_bias": True,
         "swiglu_limit": 7.0,
@@ -86,8 +83,6 @@ def rope_scaling(meta: dict[str, Any]) -> dict[str, Any] | None:
     if kind != "yarn" or factor is None or original is None:
         raise BadCheckpoint(f"gpt-oss rope scaling {kind!r} (factor {factor}, original context "
                             f"{original}): expected yarn with both")  # fmt: skip
-    from exo_split.models.gguf_config import decimal
-
     return {
         "rope_type": "yarn",
         "factor": decimal(factor),
