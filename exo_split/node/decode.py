@@ -37,6 +37,7 @@ from exo_split.errors import (
     PeerUnavailable,
     ProtocolError,
 )
+from exo_split.layers import recurrent_layers
 from exo_split.node.choices import Choice, Emit, EmitMany, Other, Shared, all_of
 from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
@@ -363,8 +364,8 @@ class Coordinator(RemotePull):
         """One choice's decode after the prefill, and its `done` event (the cache in `box`
         is its own, taken out of it)."""
         ids, req, stats = shared.ids, c.req, DecodeStats()
-        # recurrent layers' states at the prompt's end, a turn boundary (node/prefix.py)
-        snap = await self._run(self.backend.snapshot, box[0]) if reuse is not None else []
+        hybrid = reuse is not None and recurrent_layers(self.spec)  # a turn boundary's states
+        snap = await self._run(self.backend.snapshot, box[0]) if hybrid else []  # (prefix.py)
         if not c.ended:
             first = (ids[-1], 0) if shared.own else (c.tokens[0], 1)
             need = self.kv_need(len(ids), req.max_tokens)
