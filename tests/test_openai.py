@@ -297,7 +297,10 @@ def test_a_client_that_leaves_cancels_the_work_on_both_nodes(client, remote, nod
         prefill, lambda s: s.get("prefills_cancelled", 0) > before_p.get("prefills_cancelled", 0)
     )
     print(f"\nprefill node stopped {time.monotonic() - left:.2f} s after the client left")
-    assert s["last_cancel"]["pieces_computed"] < s["last_cancel"]["pieces_total"]
+    # It stopped short of the whole prompt: part-way, or before the stream began (the
+    # receiver gone before its data connection came: nothing planned, nothing computed).
+    cancel = s["last_cancel"]
+    assert cancel["pieces_computed"] < cancel["pieces_total"] or cancel["pieces_computed"] == 0
     key = "completions_cancelled"
     d = wait_for(decode, lambda s: s.get(key, 0) > before_d.get(key, 0) and not s["active"])
     assert d["kv_bytes_held"] == 0 and not wait_for(prefill, lambda s: not s["active"])["active"]
