@@ -37,7 +37,9 @@ def ckpt(checkpoint):
 def nodes(ckpt, tmp_path_factory):
     work = tmp_path_factory.mktemp("load")
     started = {
-        "prefill": NodeProcess(ckpt, "torch", work),
+        # glibc gives each new thread (TLS handshakes, stagers) an arena of its own, whose pages
+        # RSS keeps: two arenas make the prefill node's RSS, checked below, a measure of it.
+        "prefill": NodeProcess(ckpt, "torch", work, env={"MALLOC_ARENA_MAX": "2"}),
         "decode": NodeProcess(ckpt, "mlx", work),
         "prefill_2": NodeProcess(ckpt, "torch", work, "--max-concurrent", "2"),
         "decode_waits": NodeProcess(ckpt, "mlx", work, "--busy-wait", "30"),
