@@ -175,7 +175,7 @@ async def request(method: str, url: str, *, token: str | None = TOKEN, **kw):
 
 
 @contextlib.asynccontextmanager
-async def tiny_decode_node(ckpt, limits=None):
+async def tiny_decode_node(ckpt, limits=None, slicing=None):
     """An MLX decode node for a tiny random checkpoint, in this process (local prefill only);
     it serves chat when the checkpoint carries a chat template. Yields its /v1 URL."""
     from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +203,8 @@ async def tiny_decode_node(ckpt, limits=None):
     coordinator = Coordinator(backend, TextCodec(ckpt), executor, token=TOKEN, timeouts=timeouts,
                               session=aiohttp.ClientSession, choose_peer=choose_peer,
                               chat=chat, grammars=Grammars(ckpt, backend.spec.vocab_size,
-                                                           TextCodec(ckpt).eos_ids))  # fmt: skip
+                                                           TextCodec(ckpt).eos_ids),
+                              slicing=slicing)  # fmt: skip
     state = NodeState(node_id="tiny", spec=backend.spec, backend=backend, executor=executor,
                       token=TOKEN, limits=limits, coordinator=coordinator, info={},
                       timeouts=timeouts, model_id="tiny", batch=coordinator.batch.batcher)  # fmt: skip

@@ -301,6 +301,27 @@ def test_a_local_prefill_beside_decodes_is_sliced_to_about_a_quarter_second(
     assert co._slice() == 512  # idle now: whole slices
 
 
+def test_the_local_slice_is_the_users_to_choose():
+    """`--local-slice` bounds a job; `--local-slice-ms` sizes it while others decode (0:
+    always the bound); nonsense is refused by name, not a traceback."""
+    import pytest
+
+    from exo_split.cli.node import slicing
+    from exo_split.errors import ExoSplitError
+
+    assert slicing(512, 250).positions(1000.0, busy=True) == 250
+    assert slicing(512, 250).positions(1000.0, busy=False) == 512
+    assert slicing(512, 250).positions(None, busy=True) == 512  # speed not known yet
+    assert slicing(512, 2000).positions(1000.0, busy=True) == 512  # within the bound
+    assert slicing(512, 0).positions(1000.0, busy=True) == 512
+    assert slicing(100, 250).positions(10.0, busy=True) == 32  # at least 32 positions
+    assert slicing(16, 250).positions(10.0, busy=True) == 16  # ... unless the bound is less
+    with pytest.raises(ExoSplitError, match="--local-slice must be >= 1"):
+        slicing(0, 250)
+    with pytest.raises(ExoSplitError, match="--local-slice-ms >= 0"):
+        slicing(512, -1)
+
+
 def test_a_joiner_waiting_for_room_that_is_cancelled_leaves_without_waiting_for_the_batch(
     coordinator,
 ):

@@ -78,19 +78,29 @@ def test_newcomers_kv_streams_in_while_a_long_request_decodes(llama, tmp_path):
 
 
 def test_a_local_prefill_in_slices_equals_transformers(llama, monkeypatch):
-    """A local prefill runs as jobs of LOCAL_SLICE positions (each a point where other
-    requests' decode slices run): made small here, a 700-token prompt takes 11 of them, and
-    the answer still equals transformers' greedy answer on the same weights."""
+    """A local prefill runs as jobs of at most `--local-slice` positions (each a point where
+    other requests' decode steps run): made small here, a 700-token prompt takes 11 of them,
+    and the answer still equals transformers' greedy answer on the same weights."""
     from reference import reference_generate
 
     from exo_split.node import decode
+    from exo_split.node.slicing import Slicing
     from exo_split.tokenizer import TextCodec
 
-    monkeypatch.setattr(decode, "LOCAL_SLICE", 64)
+    jobs = []
+    real = decode.Coordinator._prefill_slice
+
+    def counted(self, pre, start, *args):
+        end, done = real(self, pre, start, *args)
+        jobs.append((start, end))
+        return end, done
+
+    monkeypatch.setattr(decode.Coordinator, "_prefill_slice", counted)
     prompt = [3 + (i * 11) % 500 for i in range(700)]
+    jobs_of_64 = Slicing(max_tokens=64)
 
     async def go():
-        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+        async with tiny_decode_node(llama, slicing=jobs_of_64) as url, openai.AsyncOpenAI(
             base_url=url, api_key=TOKEN, max_retries=0
         ) as c:  # fmt: skip
             r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=6,
@@ -98,6 +108,7 @@ def test_a_local_prefill_in_slices_equals_transformers(llama, monkeypatch):
             return r.choices[0].text
 
     assert asyncio.run(go()) == TextCodec(llama).detokenize(reference_generate(llama, prompt, 6))
+    assert jobs == [(i, min(i + 64, 700)) for i in range(0, 700, 64)]  # 11 jobs
 
 
 def test_8_clients_at_once_through_the_openai_client_equal_their_solo_runs(llama):

@@ -87,7 +87,7 @@ def thread_cpu(pid: int) -> dict[str, int]:
     """CPU time (ns, the scheduler's) of a process's threads by kind: "main" (the Python
     main thread: a node's event loop), "compute" (a node's compute thread, named by
     node/agent.py) and "mlx" (all others: MLX's stream workers). Linux /proc."""
-    from exo_split.node.agent import COMPUTE_THREAD
+    from exo_split.node.threads import COMPUTE_THREAD
 
     out = {"main": 0, "compute": 0, "mlx": 0}
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -11,6 +11,7 @@ from pathlib import Path
 from exo_split.cli.common import add_token_option, model_dir, say, seconds, size
 from exo_split.cli.discover import add_discovery_options, interfaces, static_peers
 from exo_split.errors import ExoSplitError
+from exo_split.node.slicing import LOCAL_SLICE, SLICE_S, Slicing
 
 DEFAULT_PORT = 52417
 
@@ -69,6 +70,24 @@ def add_node(subparsers) -> None:
         help="leave the objects made at start-up to Python's cyclic garbage collector (by "
         "default they are frozen once the node is ready: a full collection of them takes "
         "~150 ms, a stall every stream of the node would see)",
+    )
+    p.add_argument(
+        "--local-slice",
+        type=int,
+        default=LOCAL_SLICE,
+        metavar="TOKENS",
+        help="a prompt this node prefills itself runs in jobs of at most this many positions, "
+        f"the batch taking a decode step between two (default {LOCAL_SLICE})",
+    )
+    p.add_argument(
+        "--local-slice-ms",
+        type=float,
+        default=SLICE_S * 1000,
+        metavar="MS",
+        help="while other requests decode, such a job is sized to about this long at the "
+        "node's measured prefill speed (at least 32 positions), so their next token waits at "
+        f"most about that; longer raises a burst's throughput, 0: always --local-slice "
+        f"(default {SLICE_S * 1000:g})",
     )
     p.add_argument(
         "--model-name",
@@ -212,6 +231,7 @@ def cmd_node(args) -> int:
         warmup=not args.no_warmup,
         remeasure=args.remeasure,
         gc_freeze=not args.no_gc_freeze,
+        slicing=slicing(args.local_slice, args.local_slice_ms),
         limits=Limits(
             max_prompt_tokens=args.max_prompt_tokens,
             max_concurrent=args.max_concurrent,
@@ -239,3 +259,11 @@ def cmd_node(args) -> int:
     node = Node(config, progress=say)
     asyncio.run(node.serve())
     return 0
+
+
+def slicing(tokens: int, ms: float) -> Slicing:
+    try:
+        return Slicing(max_tokens=tokens, target_s=ms / 1000)
+    except ValueError:
+        raise ExoSplitError(f"--local-slice must be >= 1 and --local-slice-ms >= 0 (got "
+                            f"{tokens} and {ms:g})") from None  # fmt: skip

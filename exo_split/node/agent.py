@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import json
 import logging
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +40,8 @@ from exo_split.node.grammar import Grammars
 from exo_split.node.learn import Learned
 from exo_split.node.prefix import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache
 from exo_split.node.routes import NodeState, make_app
+from exo_split.node.slicing import Slicing
+from exo_split.node.threads import COMPUTE_THREAD, name_thread
 from exo_split.tokenizer import TextCodec
 from exo_split.transport.client import Timeouts, fetch_info
 from exo_split.transport.datalink import Listener
@@ -73,6 +73,7 @@ class NodeConfig:
     warmup: bool = True  # measure speeds at start-up (unless cached)
     remeasure: bool = False  # measure even when cached
     gc_freeze: bool = True  # start-up's objects out of the cyclic GC's reach once ready
+    slicing: Slicing = field(default_factory=Slicing)  # a local prefill's jobs
     model_name: str | None = None  # the model's id in the OpenAI API; None: the directory's name
     die_after_layer: int | None = None  # test hook: docs/reliability.md
     staging_bytes: int | None = None  # torch: the prefill's staging ring (None: its default)
@@ -85,16 +86,6 @@ class NodeConfig:
 
 SHUTDOWN_RELEASE_S = 10.0  # the compute thread's last job at shutdown
 UNTRUSTED_S = 600.0  # a peer that failed its token proof is not chosen again for this long
-COMPUTE_THREAD = "exo-compute"  # its name for the OS: top -H, /proc/<pid>/task/*/comm
-
-
-def name_thread(name: str) -> None:
-    """Name the calling thread for the OS (Linux; elsewhere nothing happens), so tools that
-    list a process's threads (top -H, the benchmark's CPU accounting) can tell it apart.
-    Threads it starts afterwards inherit the name."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
 class Node:
@@ -154,6 +145,7 @@ class Node:
             max_frame_bytes=config.limits.max_frame_bytes,
             prefix=self.prefix,
             grammars=Grammars(config.model_dir, self.spec.vocab_size, self.codec.eos_ids),
+            slicing=config.slicing,
         )
         self.coordinator.on_done = self._learn
         self.coordinator.link = self.link

@@ -44,6 +44,7 @@ from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
 from exo_split.node.receive import STAGED_FRAMES
 from exo_split.node.remote import RemotePull
+from exo_split.node.slicing import Slicing
 from exo_split.node.timing import Remote, build_timeline, decode_info
 from exo_split.node.tokens import Batch, BatchDriver, decode_events
 from exo_split.report import build_report, to_json
@@ -58,9 +59,6 @@ from exo_split.transport.messages import GenerateRequest
 log = logging.getLogger(__name__)
 clock = time.perf_counter
 PEER_FAILURES = (PeerUnavailable, ProtocolError, IncompatiblePeer, AuthError)
-LOCAL_SLICE = 512  # prompt positions per compute job of a local prefill, at most
-MIN_SLICE = 32  # ... and at least
-SLICE_S = 0.25  # a slice's target length: other requests' decode steps wait at most this
 
 
 class Coordinator(RemotePull):
@@ -78,7 +76,9 @@ class Coordinator(RemotePull):
         max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
         prefix: PrefixCache | None = None,
         grammars: Grammars | None = None,
+        slicing: Slicing | None = None,
     ):
+        self.slicing = slicing or Slicing()  # a local prefill's jobs (node/slicing.py)
         self.grammars = grammars  # compiles requests' output formats (None: cannot)
         self.chat = chat  # the checkpoint's chat template; None: it has none
         self.prefix = prefix  # finished requests' KV, reused by the next turn (None: off)
@@ -93,7 +93,7 @@ class Coordinator(RemotePull):
         self.choose_peer = choose_peer
         self.max_frame_bytes = max_frame_bytes
         # This node's prefill speed (tok/s, learned from what it serves; None: not known):
-        # a local prefill's slices are sized to about SLICE_S seconds each.
+        # while others decode, a local prefill's slices are sized by it (`slicing`).
         self.local_speed: Callable[[], float | None] = lambda: None
         self._turn: tuple | None = None  # (event loop, the lock local prefills take turns by)
         batcher = backend.batcher() if hasattr(backend, "batcher") else None
@@ -352,13 +352,9 @@ class Coordinator(RemotePull):
                                          should_stop=stop.is_set, **kept)  # fmt: skip
 
     def _slice(self) -> int:
-        """Positions for the next job of a local prefill: while other requests decode, about
-        SLICE_S seconds' worth at this node's speed, within [MIN_SLICE, LOCAL_SLICE]; else
-        (or while the speed is unknown) LOCAL_SLICE."""
-        speed = self.local_speed()
-        if not speed or self.batch is None or not self.batch.batcher.busy:
-            return LOCAL_SLICE
-        return max(min(LOCAL_SLICE, MIN_SLICE), min(LOCAL_SLICE, int(speed * SLICE_S)))
+        """Positions for the next job of a local prefill (node/slicing.py)."""
+        busy = self.batch is not None and self.batch.batcher.busy
+        return self.slicing.positions(self.local_speed(), busy)
 
     async def _decode_choice(self, c: Choice, box: list, shared: Shared, stop, reuse) -> dict:
         """One choice's decode after the prefill, and its `done` event (the cache in `box`
