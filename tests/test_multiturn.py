@@ -190,6 +190,10 @@ def test_a_smollm2_chat_through_the_openai_api_reuses_its_history(smollm2, tmp_p
             print(f"\nturn {i + 1} ({where}): {len(ids)} tokens, {prefix}, {kv} B: {text!r}")
             # The template renders the reply as generated: the whole held turn is reused.
             assert prefix["decode_cached_tokens"] == held
+            # OpenAI's usage counts the positions no node computed: a local turn's held ones
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert cached == len(ids) - prefix["computed_tokens"]
+            assert cached == held if where == "local" else cached == prefix["prefill_cached_tokens"]
             assert (kv == 0) == (where == "local")
             if i == 2:  # the prefill node holds turn 1's prompt; only [held, n) moved
                 assert prefix["prefill_cached_tokens"] > 0

@@ -235,7 +235,8 @@ class Run:
         reason = "stop" if stopped or done.get("finish_reason") == "stop" else "length"
         if self.tools is not None and self.tools.calls and not stopped:
             reason = "tool_calls"
-        return text, reason, usage(done["prompt_tokens"], len(done["tokens"]))
+        return text, reason, usage(done["prompt_tokens"], len(done["tokens"]),
+                                   done.get("cached_tokens", 0))  # fmt: skip
 
     def kept_logprobs(self, text: str, done: dict) -> list:
         """The log-probabilities of the tokens whose text the answer keeps (a stop string

@@ -398,6 +398,7 @@ class Coordinator(RemotePull):
             "text": text,
             "tail": c.stream.finish(text),
             "prompt_tokens": len(ids),
+            "cached_tokens": len(ids) - prefix["computed_tokens"],  # reused, not computed
             "stopped_by": stopped_by,
             "finish_reason": "length" if stopped_by == "max_tokens" else "stop",
             "report": report,
