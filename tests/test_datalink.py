@@ -36,6 +36,7 @@ from exo_split.transport.datalink import TICKET, TICKET_MAGIC, DataConnection, L
 from exo_split.transport.limits import Limits
 from exo_split.transport.messages import PrefillRequest
 from exo_split.transport.server import ClientGone
+from exo_split.transport.stamps import parse_end
 from exo_split.transport.tls import secure_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -264,7 +265,7 @@ def test_end_with_8192_pieces_arrives_and_is_accepted():
     cache, frames = asyncio.run(run())
     end = frames[-1]
     assert end.kind is wire.Kind.END
-    stamps = wire.parse_end(end.obj, 8192)
+    stamps = parse_end(end.obj, 8192)
     assert all(len(v) == 8192 for v in stamps.values())
     assert all(a <= b for a, b in zip(stamps["send_start"], stamps["sent"], strict=True))
     assert end.header.payload_len < wire.MAX_JSON_PAYLOAD

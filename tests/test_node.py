@@ -81,6 +81,37 @@ def test_an_mlx_prefill_node_streams_its_own_chunks(pairs, checkpoint, tmp_path)
         mlx_prefill.stop()
 
 
+def test_layers_sent_as_head_ranges_are_assembled_on_both_decode_backends(checkpoint, tmp_path):
+    """A prefill node whose frames carry head ranges (as the workers of a tensor-parallel
+    engine hold a layer's KV heads: 4 heads as 2 ranges, the test hook of docs/vllm.md):
+    the MLX decode node lands each range in its cache, the torch one assembles each token
+    range before injecting it; both give transformers' tokens, and exactly the KV of a whole
+    layer moved."""
+    from exo_split.report.text import prefill_text
+
+    ckpt = checkpoint("llama", num_hidden_layers=4, num_key_value_heads=4)
+    env = {"EXO_SPLIT_TEST_HEAD_RANGES": "2"}
+    nodes = [NodeProcess(ckpt, "torch", tmp_path, env=env), NodeProcess(ckpt, "mlx", tmp_path),
+             NodeProcess(ckpt, "torch", tmp_path)]  # fmt: skip
+    try:
+        prefill, *decoders = (n.wait_ready() for n in nodes)
+        for n, chunk in ((1, None), (300, 128), (1000, None)):
+            ids = prompt_ids(n, seed=n)
+            want = reference_generate(ckpt, ids, 6)
+            for d in decoders:
+                body = {"token_ids": ids, "max_tokens": 6, "prefill_peer": prefill.addr,
+                        "chunk": chunk, "fallback": "none"}  # fmt: skip
+                done = generate_sync(d.url, body)
+                assert done["tokens"] == want, (d.info.get("backend"), n, chunk)
+                report = done["report"]
+                assert report["timeline"]["prefill"]["head_ranges"] == 2
+                assert "KV heads in 2 ranges" in prefill_text(report["timeline"]["prefill"])
+                assert report["kv_bytes"] == n * 4 * 2 * 4 * 16 * 4  # layers x K,V x heads x dim
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 def _overlap_report(pairs, overlap: bool) -> dict:
     t, m = pairs["llama"]
     ids = prompt_ids(2000, seed=11)

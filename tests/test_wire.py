@@ -17,6 +17,7 @@ from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ExoSplitError, ProtocolError
 from exo_split.kv import chunk_sizes
 from exo_split.transport.decoder import Frame, FrameDecoder, ThreadCrc, decode_frame
+from exo_split.transport.stamps import end_record, parse_end
 from exo_split.transport.wire import (
     HEADER,
     HEADER_SIZE,
@@ -33,9 +34,8 @@ from exo_split.transport.wire import (
     encode_hello,
     encode_layer,
     encode_token,
-    end_record,
     frame_bytes,
-    parse_end,
+    layer_frame,
 )
 
 SPEC = StreamSpec(n_layers=3, n_kv_heads=2, head_dim=4, dtype=WireDtype.float16, prompt_len=10)
@@ -272,6 +272,55 @@ def test_layer_payloads_land_in_the_destination(threaded):
         crc.close()
 
 
+def _tp_stream(ranges) -> tuple[bytes, list]:
+    """A valid stream whose every LAYER frame is one frame per head range (a tensor-parallel
+    prefill's workers each sending theirs), and the whole layers' K and V it carries."""
+    layers = layer_frames(SPEC, 4, 3)
+    plan = hello(4, 3)["plan"] | {"heads": [list(r) for r in ranges]}
+    parts = [encode_hello(hello(4, 3) | {"plan": plan})]
+    for lay, s, n, k, v in layers:
+        for first, count in ranges:
+            blocks = [memoryview(np.ascontiguousarray(a[first : first + count])).cast("B")
+                      for a in (k, v)]  # fmt: skip
+            parts.append(layer_frame(lay, s, n, SPEC.dtype, blocks, heads=(first, count)))
+    parts += [encode_token(128_001, -0.25), encode_end(END)]
+    return b"".join(frame_bytes(p) for p in parts), layers
+
+
+@pytest.mark.parametrize("into", ["cache", "buffers"])
+def test_head_ranges_are_assembled_into_whole_layers(into):
+    """Each token range of each layer arrives as two frames, one per head range: the decoder
+    lands each range's heads where they belong (a Destination: the cache; none: a buffer of
+    the whole range, handed on once its last head range is in), bit for bit."""
+    data, layers = _tp_stream(TP2)
+    cache = Cache(SPEC, 16) if into == "cache" else None
+    decoder = FrameDecoder(SPEC, dest=cache)
+    frames = [f for f in feed_pieces(decoder, data, seed=5) if f.kind is Kind.LAYER]
+    assert decoder.done and len(frames) == 2 * len(layers)
+    assert [f.header.heads for f in frames] == [(0, 1), (1, 1)] * len(layers)
+    assert [f.complete for f in frames] == [False, True] * len(layers)
+    assert sum(f.last for f in frames) == decoder.plan.n_pieces
+    for (layer, s, n, k, v), f in zip(layers, frames[1::2], strict=True):
+        if cache is not None:
+            k_got, v_got = cache.k[layer][:, s : s + n], cache.v[layer][:, s : s + n]
+        else:
+            assert frames[frames.index(f) - 1].k is None  # only the whole range is handed on
+            shape = (SPEC.n_kv_heads, n, SPEC.head_dim)
+            k_got, v_got = (np.frombuffer(x, np.uint16).reshape(shape) for x in (f.k, f.v))
+        assert np.array_equal(k_got.view(np.uint16), k.view(np.uint16))
+        assert np.array_equal(v_got.view(np.uint16), v.view(np.uint16))
+
+
+def test_a_head_range_header_round_trips_and_is_bounded():
+    h = FrameHeader(Kind.LAYER, WireDtype.float16, 300, 8, 4, 64, 0, heads=(4, 4))
+    back = FrameHeader.unpack(h.pack())
+    assert back == h and back.describe() == "LAYER 300 tokens [8, 12) heads [4, 8)"
+    with pytest.raises(ProtocolError, match="layer <= 65535"):
+        FrameHeader(Kind.LAYER, WireDtype.float16, 70_000, 8, 4, 64, 0, heads=(4, 4)).pack()
+    with pytest.raises(ProtocolError, match="1..255 heads, got"):
+        FrameHeader(Kind.LAYER, WireDtype.float16, 3, 8, 4, 64, 0, heads=(0, 256)).pack()
+
+
 def test_a_threaded_crc_mismatch_is_found_when_verified():
     data = frame_bytes(encode_hello(HELLO)) + raw_layer(0, 0, 4, crc=0x1234)
     crc = ThreadCrc()
@@ -381,14 +430,66 @@ def _through_tokens() -> bytes:
 
 
 HELLO_FRAME = frame_bytes(encode_hello(HELLO))
+TP2 = ((0, 1), (1, 1))  # SPEC's 2 KV heads as two tensor-parallel workers hold them
+TP_HELLO = frame_bytes(
+    encode_hello(hello() | {"plan": hello()["plan"] | {"heads": [[0, 1], [1, 1]]}})
+)
+
+
+def raw_heads(layer: int, start: int, n: int, heads: tuple[int, int], **fields: int) -> bytes:
+    """A head range's LAYER frame built by hand (flags HEADS, the range in the layer field)."""
+    payload = bytes(range(256))[: SPEC.layer_payload_len(n, heads[1])]
+    fields.setdefault("dtype", SPEC.dtype)
+    field = layer | heads[0] << 16 | heads[1] << 24
+    return raw(Kind.LAYER, payload, flags=0x01, layer=field, token_start=start, n_tokens=n,
+               **fields)  # fmt: skip
+
+
 CYCLE = b"".join(raw_layer(layer, 0, 4) for layer in range(3))
 BAD_STREAMS = {
     "bad magic": (raw(Kind.HELLO, magic=b"EXOX"), "bad magic: expected b'EXOS', got b'EXOX'"),
     "bad version": (raw(Kind.HELLO, version=1), "protocol version: expected 2, got 1"),
     "unknown kind": (raw(9), "unknown frame kind: expected 1..5, got 9"),
     "unknown dtype": (raw(Kind.HELLO, dtype=7), "unknown dtype code: expected 0..3, got 7"),
-    "nonzero flags": (raw(Kind.HELLO, flags=0x80), "non-zero flags: expected 0, got 0x80"),
+    "unknown flags": (raw(Kind.HELLO, flags=0x80), "unknown flags: expected 0 or 0x01, got 0x80"),
+    "head range on HELLO": (raw(Kind.HELLO, flags=0x01), "HELLO: expected a head range only on"),
     "layer fields on HELLO": (raw(Kind.HELLO, layer=3), "HELLO: expected dtype, layer"),
+    "a head range of no heads": (
+        raw(Kind.LAYER, b"\0" * 8, dtype=2, flags=0x01, n_tokens=1),
+        "heads [0, 0): expected first head 0..255, 1..255 heads, got (0, 0)",
+    ),
+    "the whole layer where a head range is due": (
+        TP_HELLO + raw_layer(0, 0, 4),
+        "wrong head range on LAYER 0 tokens [0, 4): expected heads [0, 1], got all heads",
+    ),
+    "a head range where the whole layer is due": (
+        HELLO_FRAME + raw_heads(0, 0, 4, (0, 1)),
+        "wrong head range on LAYER 0 tokens [0, 4) heads [0, 1): expected all heads (flags 0), "
+        "got [0, 1]",
+    ),
+    "head ranges out of order": (
+        TP_HELLO + raw_heads(0, 0, 4, (1, 1)),
+        "on LAYER 0 tokens [0, 4) heads [1, 2): expected heads [0, 1], got [1, 1]",
+    ),
+    "the next token range before the last head range": (
+        TP_HELLO + raw_heads(0, 0, 4, (0, 1)) + raw_heads(1, 0, 4, (0, 1)),
+        "out-of-order layer after LAYER 0 tokens [0, 4) heads [0, 1): expected LAYER 0, got "
+        "LAYER 1",
+    ),
+    "a head range's payload sized for the whole layer": (
+        TP_HELLO + raw_heads(0, 0, 4, (0, 1), payload_len=SPEC.layer_payload_len(4)),
+        "heads [0, 1): expected 64 (2 x 1 heads x 4 tokens x 4 dims x float16), got 128",
+    ),
+    "plan heads that miss a head": (
+        frame_bytes(encode_hello(hello() | {"plan": hello()["plan"] | {"heads": [[0, 1]]}})),
+        "HELLO plan heads: expected absent, or >= 2 [first, count] ranges covering the 2 KV",
+    ),
+    "plan heads out of order": (
+        frame_bytes(
+            encode_hello(hello() | {"plan": hello()["plan"] | {"heads": [[1, 1], [0, 1]]}})
+        ),
+        "covering the 2 KV heads in order, got [[1, 1], [0, 1]]",
+    ),
     "LAYER without dtype": (raw_layer(0, 0, 4, dtype=0), "expected a tensor dtype"),
     "LAYER n_tokens 0": (
         raw(Kind.LAYER, b"", dtype=2),

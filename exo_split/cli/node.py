@@ -197,6 +197,7 @@ def cmd_node(args) -> int:
     from exo_split.node.capabilities import default_cache_dir
     from exo_split.transport.auth import copy_instructions, default_token_file, resolve_token
     from exo_split.transport.client import Timeouts
+    from exo_split.transport.heads import even_ranges
     from exo_split.transport.keys import default_keys_file
     from exo_split.transport.limits import Limits
     from exo_split.transport.tls import load_identity
@@ -257,6 +258,10 @@ def cmd_node(args) -> int:
         insecure_transport=args.insecure_transport,
     )
     node = Node(config, progress=say)
+    # Test hook (docs/vllm.md): each layer's frames as N head ranges, as the workers of a
+    # tensor-parallel prefill engine hold them.
+    if parts := os.environ.get("EXO_SPLIT_TEST_HEAD_RANGES"):
+        node.backend.head_ranges = even_ranges(node.spec.n_kv_heads, int(parts))
     asyncio.run(node.serve())
     return 0
 

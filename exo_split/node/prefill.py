@@ -38,6 +38,7 @@ from exo_split.transport import wire
 from exo_split.transport.datalink import DataConnection, FrameSender
 from exo_split.transport.messages import PrefillRequest
 from exo_split.transport.server import ClientGone
+from exo_split.transport.stamps import end_record
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -191,20 +192,30 @@ class _Frames:
         if m == 0:
             parts = [p for p in self._parts if p.kv.n_tokens == 0 and p.kv.layer == layer]
             blocks = list(parts[0].kv.buffers())
-        else:
-            blocks = [
-                _block(getattr(p.kv, which), h, max(s, p.kv.token_start) - p.kv.token_start,
-                       min(s + m, p.end) - p.kv.token_start)
-                for which in ("k", "v")
-                for h in range(parts[0].kv.k.shape[0])
-                for p in parts
-            ]  # fmt: skip
+        ranges = self.plan.heads if m else ()  # a tensor-parallel plan: a frame per range
         done_with = [p for p in parts if p.end <= s + m]
         self._parts = [p for p in self._parts if p not in done_with]
         assert self._piece is not None
-        first = s == self._piece[2]
+        for g, heads in enumerate(ranges or [None]):
+            if m:
+                a, count = heads or (0, parts[0].kv.k.shape[0])
+                blocks = [
+                    _block(getattr(p.kv, which), h, max(s, p.kv.token_start) - p.kv.token_start,
+                           min(s + m, p.end) - p.kv.token_start)
+                    for which in ("k", "v")
+                    for h in range(a, a + count)
+                    for p in parts
+                ]  # fmt: skip
+            final = g == max(0, len(ranges) - 1)  # the piece's last frame frees its parts
+            first = s == self._piece[2] and g == 0
+            done = self._done(index, layer, first, last and final, done_with if final else [])
+            self.sender.put_layer(layer, s, m, self.dtype, blocks, done, heads)
 
-        def done(send_start: float, sent: float, ok: bool) -> None:  # the send thread
+    def _done(self, index: int, layer: int, first: bool, last: bool, done_with: list):
+        """The send thread's callback of one frame: its piece's stamps, and the parts it was
+        the last reader of freed."""
+
+        def done(send_start: float, sent: float, ok: bool) -> None:
             if first:
                 self.stamps["send_start"][index] = send_start
             if last:
@@ -217,7 +228,7 @@ class _Frames:
             if ok and first and layer == self.die_after_layer:
                 _die(layer)
 
-        self.sender.put_layer(layer, s, m, self.dtype, blocks, done)
+        return done
 
     def drop(self) -> None:
         """Free what no frame will ever read (the stream ended early). Call after the
@@ -300,7 +311,10 @@ async def stream_prefill(
     ring_limit = getattr(backend, "frame_positions_limit", lambda: None)()
     if ring_limit is not None:  # frames the staging ring can fill (docs/protocol.md)
         frame_tokens = min(frame_tokens, ring_limit)
-    plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep, recurrent_layers(spec))
+    # A tensor-parallel engine's workers each hold a range of KV heads: a frame per range.
+    heads = getattr(backend, "head_ranges", ())
+    plan = wire.Plan(chunks, frame_tokens, spec.n_layers, start, req.keep, recurrent_layers(spec),
+                     heads)  # fmt: skip
     progress.total = spec.n_layers * len(compute)
     sender = FrameSender(sock, on_error=lambda exc: progress.cancel())
     conn.on_lost.append(progress.cancel)
@@ -374,7 +388,7 @@ async def stream_prefill(
             staging[0] = None
         sender.put(wire.encode_token(token, logprob))
         await within(sender.flush(), "sending")
-        end = wire.end_record(t0, t1, req.overlap, frames.stamps)
+        end = end_record(t0, t1, req.overlap, frames.stamps)
         sender.put(wire.encode_end(end))
         await within(sender.flush(), "sending")
         ended = True

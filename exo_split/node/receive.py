@@ -81,7 +81,7 @@ class Sink:
     async def landed(self, frame: Frame, run: Callable[..., Awaitable[Any]]) -> None:
         """A LAYER frame is complete and its CRC matched. Direct: it is already in place.
         Copy path: inject it (`run` runs a function on the compute thread)."""
-        if self.direct:
+        if self.direct or not frame.complete:  # (a head range: once its token range's last)
             return
         h, spec = frame.header, self.backend.spec
         try:

@@ -19,6 +19,7 @@ from exo_split.spec import ModelSpec, require_compatible
 from exo_split.transport import wire
 from exo_split.transport.client import kv_stream
 from exo_split.transport.messages import PrefillRequest
+from exo_split.transport.stamps import parse_end
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -138,6 +139,6 @@ class RemotePull:
 def _check_end(peer: str, end: dict, n_pieces: int) -> dict[str, list[float]]:
     """END must account for every piece with its stamps (the report is built from them)."""
     try:
-        return wire.parse_end(end, n_pieces)
+        return parse_end(end, n_pieces)
     except ProtocolError as exc:
         raise ProtocolError(f"{peer}: {exc}") from exc

@@ -148,7 +148,8 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             "prefill_received": received,
             "engine": {"backend": state.backend.name, "device": state.backend.device,
                        "dtype": state.backend.dtype,
-                       "quantization": getattr(state.backend, "engine_quantization", None)},
+                       "quantization": getattr(state.backend, "engine_quantization", None),
+                       "head_ranges": len(getattr(state.backend, "head_ranges", ())) or 1},
         }  # fmt: skip
         progress = Progress()
         state.count("prefills")

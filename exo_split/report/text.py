@@ -133,10 +133,13 @@ def decode_text(decode: Mapping[str, Any]) -> str:
 
 def prefill_text(prefill: Mapping[str, Any]) -> str:
     """One line: what prefilled, as the prefill node's HELLO said (backend, device, dtype,
-    the weights' quantization)."""
+    the weights' quantization, the head ranges its frames carried)."""
     q = prefill.get("quantization")
     weights = f"{q} weights" if q else "full-precision weights"
-    return f"{prefill.get('backend')} on {prefill.get('device')}, {prefill.get('dtype')}, {weights}"
+    ranges = prefill.get("head_ranges") or 1
+    heads = f", KV heads in {ranges} ranges (tensor-parallel)" if ranges > 1 else ""
+    return (f"{prefill.get('backend')} on {prefill.get('device')}, {prefill.get('dtype')}, "
+            f"{weights}{heads}")  # fmt: skip
 
 
 def prefix_text(prefix: Mapping[str, Any], kv_bytes: int) -> str:

@@ -405,9 +405,11 @@ class FrameSender:
         self._crc_q.put(("frame", parts, None))
 
     def put_layer(self, layer: int, token_start: int, n_tokens: int, dtype: WireDtype,
-                  blocks: Sequence[memoryview], done: Done | None = None) -> None:  # fmt: skip
-        """A LAYER frame from `blocks` (views, not copies: keep them unchanged until `done`)."""
-        self._crc_q.put(("layer", (layer, token_start, n_tokens, dtype, blocks), done))
+                  blocks: Sequence[memoryview], done: Done | None = None,
+                  heads: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """A LAYER frame from `blocks` (views, not copies: keep them unchanged until `done`);
+        `heads`: the head range it carries (wire.HEADS), None: all heads."""
+        self._crc_q.put(("layer", (layer, token_start, n_tokens, dtype, blocks, heads), done))
 
     async def flush(self) -> None:
         """Wait until every frame put so far is on the wire; raise the send error if any."""
@@ -436,7 +438,9 @@ class FrameSender:
                     try:
                         # over TLS: CRC 0, TLS authenticates the frame (decoder.NoCrc)
                         parts = (
-                            layer_frame(*arg, 0 if self._tls else None) if op == "layer" else arg
+                            layer_frame(*arg[:5], 0 if self._tls else None, arg[5])
+                            if op == "layer"
+                            else arg
                         )
                     except Exception as exc:  # a frame that cannot be encoded
                         parts = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exo_split.errors import ProtocolError
+from exo_split.transport.heads import range_bytes, sub_views
 from exo_split.transport.wire import (
     HEADER_SIZE,
     MAX_JSON_PAYLOAD,
@@ -58,6 +59,9 @@ class Frame:
     piece: int = -1
     last: bool = False
     crc: concurrent.futures.Future | None = field(default=None, repr=False, compare=False)
+    # A head range's frame (a tensor-parallel prefill): `complete` once the last range of its
+    # token range is in; without a Destination `k`, `v` and `payload` then hold all heads.
+    complete: bool = True
 
     @property
     def kind(self) -> Kind:
@@ -171,7 +175,9 @@ class FrameDecoder:
         self._expect: Kind | None = Kind.HELLO  # None once END or ERROR has come
         self._last = "nothing"  # the previous frame, for messages
         self._frames: Any = iter(())
-        self._next: tuple[int, int, int, int] | None = None  # (piece, layer, start, n)
+        # (piece, layer, start, n, heads): Plan.wire_frames()
+        self._next: tuple[int, int, int, int, tuple[int, int] | None] | None = None
+        self._group: bytearray | None = None  # a token range's heads, assembled (no dest)
         self._head = bytearray(HEADER_SIZE)
         self._head_view = memoryview(self._head)
         self._head_filled = 0
@@ -262,10 +268,9 @@ class FrameDecoder:
 
     def _expecting(self) -> str:
         if self._expect is Kind.LAYER and self._next is not None:
-            _, layer, start, n = self._next
-            if n == 0:
-                return f"LAYER {layer} state after {start} tokens"
-            return f"LAYER {layer} tokens [{start}, {start + n})"
+            _, layer, start, n, heads = self._next
+            return FrameHeader(Kind.LAYER, layer=layer, token_start=start, n_tokens=n,
+                               heads=heads).describe()  # fmt: skip
         return self._expect.name if self._expect is not None else "EOF"
 
     def _start(self, h: FrameHeader) -> None:
@@ -277,13 +282,15 @@ class FrameDecoder:
         if h.kind is Kind.LAYER:
             self._check_layer(h)
             assert self._next is not None
-            _, layer, start, n = self._next
-            if self.dest is not None:
+            _, layer, start, n, heads = self._next
+            if heads is not None:  # its part of the token range's payload
+                self._blocks = self._range_blocks(layer, start, n, heads)
+            elif self.dest is not None:
                 self._blocks = self.dest.blocks(layer, start, n)
-                assert sum(len(b) for b in self._blocks) == h.payload_len, "bad Destination"
             else:
                 self._payload = bytearray(h.payload_len)
                 self._blocks = [memoryview(self._payload)]
+            assert sum(len(b) for b in self._blocks) == h.payload_len, "bad Destination"
             self.crc.start()
         else:
             if h.kind is Kind.END and self.plan is not None:
@@ -293,9 +300,24 @@ class FrameDecoder:
             self._blocks = [memoryview(self._payload)]
         self._header, self._block, self._filled, self._received = h, 0, 0, 0
 
+    def _range_blocks(self, layer: int, start: int, n: int, heads: tuple[int, int]) -> list:
+        """Where a head range's payload goes: its heads' bytes of the token range's whole
+        payload, in the Destination or (none) in a buffer the first range allocates."""
+        spec = self.spec
+        if self.dest is not None:
+            whole = self.dest.blocks(layer, start, n)
+        else:
+            if heads[0] == 0:
+                self._group = bytearray(spec.layer_payload_len(n))
+            assert self._group is not None
+            whole = [memoryview(self._group)]
+        k_len = spec.k_payload_len(n)
+        where = range_bytes(heads, spec.n_kv_heads, k_len, spec.layer_payload_len(n) - k_len)
+        return sub_views(whole, where)
+
     def _check_layer(self, h: FrameHeader) -> None:
         assert self._next is not None
-        spec, (_, layer, start, n) = self.spec, self._next
+        spec, (_, layer, start, n, heads) = self.spec, self._next
         what = f"out-of-order layer after {self._last}"
         _require(h.layer == layer, what, f"LAYER {layer}", f"LAYER {h.layer}")
         _require(h.dtype == spec.dtype, f"wrong dtype on LAYER {layer}", spec.dtype.name,
@@ -306,13 +328,18 @@ class FrameDecoder:
         if n == 0 or h.n_tokens == 0:
             got = h.describe()
         _require((h.token_start, h.n_tokens) == (start, n), what, want, got)
+        if h.heads != heads:
+            what = f"wrong head range on {h.describe()}"
+            want = "all heads (flags 0)" if heads is None else f"heads {list(heads)}"
+            _require(False, what, want, "all heads" if h.heads is None else list(h.heads))
         if n == 0:
             size = spec.state_bytes[layer]
             what = f"wrong payload_len on {h.describe()}"
             _require(h.payload_len == size, what, f"{size} (its state arrays)", h.payload_len)
             return
-        size = spec.layer_payload_len(n)
-        shape = f"2 x {spec.n_kv_heads} heads x {n} tokens x {spec.head_dim} dims"
+        size = spec.layer_payload_len(n, heads and heads[1])
+        n_heads = heads[1] if heads else spec.n_kv_heads
+        shape = f"2 x {n_heads} heads x {n} tokens x {spec.head_dim} dims"
         if spec.v_width != spec.head_dim:  # a latent layer: K and V of their own widths
             shape = (
                 f"{spec.n_kv_heads} heads x {n} tokens x ({spec.head_dim} + {spec.v_width}) dims"
@@ -336,7 +363,7 @@ class FrameDecoder:
         obj = parse_json(h.kind, payload or b"")
         if h.kind is Kind.HELLO:
             self.plan = Plan.from_json(obj.get("plan"), self.spec)
-            self._frames = self.plan.frames()
+            self._frames = self.plan.wire_frames()
             self._next = next(self._frames)
             self._expect = Kind.LAYER
         else:  # END or ERROR ends the stream
@@ -355,11 +382,15 @@ class FrameDecoder:
         if self._next is None:
             self._expect = Kind.TOKEN
         last = self._next is None or self._next[0] != piece
+        complete = h.heads is None or sum(h.heads) == self.spec.n_kv_heads
+        if h.heads is not None and complete:  # the token range's heads are all in
+            payload, self._group = self._group, None
         k = v = None
         if payload is not None and h.n_tokens:
             view, split = memoryview(payload), self.spec.k_payload_len(h.n_tokens)
             k, v = view[:split], view[split:]
-        return Frame(h, payload, k=k, v=v, piece=piece, last=last, crc=pending)
+        return Frame(h, payload, k=k, v=v, piece=piece, last=last, crc=pending,
+                     complete=complete)  # fmt: skip
 
 
 def decode_frame(buf: Buffer) -> Frame:

@@ -8,8 +8,9 @@ little-endian header (``HEADER``) followed by ``payload_len`` bytes of payload:
     4      1    version      PROTOCOL_VERSION (2)
     5      1    kind         1 HELLO, 2 LAYER, 3 TOKEN, 4 END, 5 ERROR
     6      1    dtype        0 none (non-LAYER), 1 float32, 2 float16, 3 bfloat16
-    7      1    flags        reserved, must be 0
-    8      4    layer        u32 layer index (LAYER), else 0
+    7      1    flags        0, or HEADS (0x01) on a LAYER frame that carries a head range
+    8      4    layer        u32 layer index (LAYER), else 0; with HEADS: u16 layer index,
+                                 u8 first head, u8 number of heads
     12     4    token_start  u32 first prompt position the KV covers (LAYER), else 0
     16     4    n_tokens     u32 number of positions (LAYER: >= 1; 0: a recurrent layer's
                                  state, token_start then the prompt length), else 0
@@ -18,12 +19,12 @@ little-endian header (``HEADER``) followed by ``payload_len`` bytes of payload:
 
 Payloads: HELLO, END and ERROR carry one UTF-8 JSON object (ERROR: string "code" and
 "message"). LAYER carries K then V, each [n_kv_heads, n_tokens, head_dim] row-major in the
-frame's dtype (bfloat16 as raw 16-bit words); a state frame (n_tokens 0) carries the layer's
+frame's dtype (with HEADS: the range's heads only, as a tensor-parallel worker holds them) (bfloat16 as raw 16-bit words); a state frame (n_tokens 0) carries the layer's
 state arrays as layers.py describes them, in order (the KV dtype's, then float32 ones). TOKEN is "<If": the first generated token id
 and its logprob.
 
 Stream: HELLO, which announces the `Plan`; then exactly the Plan's LAYER frames (chunk-major,
-then layer, then token ranges of at most `frame_tokens`); TOKEN; END, whose per-piece stamps
+then layer, then token ranges of at most `frame_tokens`, then the plan's head ranges); TOKEN; END, whose per-piece stamps
 are columns of integer microseconds. An ERROR frame may come instead of any frame and ends the
 stream. decoder.FrameDecoder enforces all of this; docs/protocol.md is the long form.
 """
@@ -31,7 +32,6 @@ stream. decoder.FrameDecoder enforces all of this; docs/protocol.md is the long 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +41,7 @@ from typing import Any
 from exo_split import PROTOCOL_VERSION
 from exo_split.errors import ProtocolError
 from exo_split.kv import window_floor
+from exo_split.transport.heads import MAX_RANGE_HEADS, parse_ranges
 
 try:  # the same CRC-32 as zlib's, 3-5x faster, and it releases the GIL
     from isal.isal_zlib import crc32
@@ -48,6 +49,7 @@ except ImportError:  # pragma: no cover - isal is a core dependency; zlib gives 
     from zlib import crc32
 
 MAGIC = b"EXOS"
+HEADS = 0x01  # flags: this LAYER frame carries a head range (FrameHeader.heads)
 HEADER = struct.Struct("<4sBBBBIIIQI")
 HEADER_SIZE = HEADER.size  # 32
 MAX_JSON_PAYLOAD = 1 << 20  # HELLO and ERROR; END's cap grows with the plan (end_cap)
@@ -104,12 +106,16 @@ class FrameHeader:
     n_tokens: int = 0
     payload_len: int = 0
     crc32: int = 0
+    heads: tuple[int, int] | None = None  # (first head, number of heads); None: all of them
 
     def pack(self) -> bytes:
         self.check()
-        fields = (self.layer, self.token_start, self.n_tokens, self.payload_len, self.crc32)
+        layer, flags = self.layer, 0
+        if self.heads is not None:  # the layer field: u16 layer, u8 first head, u8 heads
+            layer, flags = self.layer | self.heads[0] << 16 | self.heads[1] << 24, HEADS
+        fields = (layer, self.token_start, self.n_tokens, self.payload_len, self.crc32)
         try:
-            return HEADER.pack(MAGIC, PROTOCOL_VERSION, self.kind, self.dtype, 0, *fields)
+            return HEADER.pack(MAGIC, PROTOCOL_VERSION, self.kind, self.dtype, flags, *fields)
         except struct.error as exc:
             raise ProtocolError(f"cannot pack the header of {self.describe()}: {exc}") from exc
 
@@ -124,14 +130,25 @@ class FrameHeader:
         )
         _require(kind in set(Kind), "unknown frame kind", f"1..{len(Kind)}", kind)
         _require(dtype in set(WireDtype), "unknown dtype code", f"0..{len(WireDtype) - 1}", dtype)
-        _require(flags == 0, "non-zero flags", 0, f"0x{flags:02x}")
-        header = cls(Kind(kind), WireDtype(dtype), *rest)
+        _require(flags in (0, HEADS), "unknown flags", f"0 or 0x{HEADS:02x}", f"0x{flags:02x}")
+        layer, heads = rest[0], None
+        if flags == HEADS:
+            layer, heads = layer & 0xFFFF, (layer >> 16 & 0xFF, layer >> 24)
+        header = cls(Kind(kind), WireDtype(dtype), layer, *rest[1:], heads=heads)
         header.check()
         return header
 
     def check(self) -> None:
         """The rules that need no stream state: which fields a kind sets, payload sizes."""
         name, size = self.describe(), self.payload_len
+        if self.heads is not None:
+            first, count = self.heads
+            ok = self.kind is Kind.LAYER and self.n_tokens >= 1 and self.layer <= 0xFFFF
+            _require(ok, name, "a head range only on a LAYER frame of KV, layer <= 65535",
+                     "flags HEADS")  # fmt: skip
+            ok = 0 <= first <= MAX_RANGE_HEADS and 1 <= count <= MAX_RANGE_HEADS
+            _require(ok, name, f"first head 0..{MAX_RANGE_HEADS}, 1..{MAX_RANGE_HEADS} heads",
+                     self.heads)  # fmt: skip
         if self.kind is Kind.LAYER:
             _require(self.dtype is not WireDtype.none, name, "a tensor dtype", "dtype none")
             if self.n_tokens == 0:  # a recurrent layer's state: its size is the stream's to check
@@ -154,8 +171,13 @@ class FrameHeader:
             return f"LAYER {self.layer} state after {self.token_start} tokens"
         if self.kind is Kind.LAYER:
             end = self.token_start + self.n_tokens
-            return f"LAYER {self.layer} tokens [{self.token_start}, {end})"
+            heads = "" if self.heads is None else f" heads {_heads(self.heads)}"
+            return f"LAYER {self.layer} tokens [{self.token_start}, {end}){heads}"
         return self.kind.name
+
+
+def _heads(heads: tuple[int, int]) -> str:
+    return f"[{heads[0]}, {heads[0] + heads[1]})"
 
 
 @dataclass(frozen=True)
@@ -209,12 +231,13 @@ class StreamSpec:
         """K and V bytes of one position of one layer."""
         return self.n_kv_heads * (self.head_dim + self.v_width) * self.dtype.itemsize
 
-    def k_payload_len(self, n_tokens: int) -> int:
-        """The first part of a LAYER payload of `n_tokens` positions: K's bytes (V's follow)."""
-        return n_tokens * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+    def k_payload_len(self, n_tokens: int, heads: int | None = None) -> int:
+        """The first part of a LAYER payload of `n_tokens` positions (of `heads` heads; None:
+        all): K's bytes (V's follow)."""
+        return n_tokens * (heads or self.n_kv_heads) * self.head_dim * self.dtype.itemsize
 
-    def layer_payload_len(self, n_tokens: int) -> int:
-        return n_tokens * self.bytes_per_token
+    def layer_payload_len(self, n_tokens: int, heads: int | None = None) -> int:
+        return n_tokens * self.bytes_per_token * (heads or self.n_kv_heads) // self.n_kv_heads
 
     def frame_tokens(self, max_frame_bytes: int | None = None) -> int:
         """The most positions whose K and V fit `max_frame_bytes` (at least 1)."""
@@ -228,9 +251,11 @@ class Plan:
 
     The stream covers positions [start, start + sum(chunks)) in `chunks` (sizes, in order);
     for each chunk, layers 0..L-1; each (chunk, layer) *piece* travels as consecutive token
-    ranges of at most `frame_tokens` positions. The receiver derives from it the one header
-    it expects next. (With prefix reuse the first chunk may be KV the prefill node had cached,
-    and the positions before `start` are the decode node's own.)
+    ranges of at most `frame_tokens` positions, each range as one frame per head range of
+    `heads` (a tensor-parallel prefill: each worker holds a range of KV heads; empty: one
+    frame of all heads). The receiver derives from it the one header it expects next. (With
+    prefix reuse the first chunk may be KV the prefill node had cached, and the positions
+    before `start` are the decode node's own.)
     """
 
     chunks: tuple[int, ...]
@@ -239,6 +264,7 @@ class Plan:
     start: int = 0
     keep: tuple[int | None, ...] = ()  # StreamSpec.keep: a sliding layer's pieces start later
     states: tuple[int, ...] = ()  # StreamSpec.states: their pieces are one state frame each
+    heads: tuple[tuple[int, int], ...] = ()  # (first head, heads) of each range, in order
 
     @property
     def prompt_len(self) -> int:
@@ -250,7 +276,7 @@ class Plan:
 
     @property
     def n_frames(self) -> int:
-        return sum(-(-n // self.frame_tokens) for _, _, n in self.pieces())
+        return sum(1 for _ in self.wire_frames())
 
     def floor(self, layer: int) -> int:
         """The first position `layer` sends (its window's, for a layer that keeps a window)."""
@@ -281,6 +307,15 @@ class Plan:
             for s, n in split_range(start, size, self.frame_tokens):
                 yield i, layer, s, n
 
+    def wire_frames(self) -> Iterator[tuple[int, int, int, int, tuple[int, int] | None]]:
+        """`frames()`, each KV frame as one frame per head range: (piece index, layer,
+        token_start, n_tokens, heads: (first head, heads), None for all of them)."""
+        for i, layer, s, n in self.frames():
+            for heads in self.heads if n else ():
+                yield i, layer, s, n, heads
+            if not n or not self.heads:
+                yield i, layer, s, n, None
+
     def end_cap(self) -> int:
         """The largest END payload this stream may carry (its per-piece stamps)."""
         return MAX_JSON_PAYLOAD + END_BYTES_PER_PIECE * self.n_pieces
@@ -297,6 +332,8 @@ class Plan:
             out["keep"] = list(self.keep)
         if self.states:
             out["states"] = list(self.states)
+        if self.heads:
+            out["heads"] = [list(h) for h in self.heads]
         return out | {"start": self.start} if self.start else out
 
     @classmethod
@@ -327,8 +364,9 @@ class Plan:
         ok = isinstance(states, list) and tuple(states) == spec.states
         _require(ok, "HELLO plan states", list(spec.states) or "absent (no recurrent layer)",
                  states)  # fmt: skip
+        heads = parse_ranges(obj.get("heads", []), spec.n_kv_heads, spec.n_layers)
         chunks = tuple(size for size, count in runs for _ in range(count))
-        return cls(chunks, frame_tokens, spec.n_layers, start, spec.keep, spec.states)
+        return cls(chunks, frame_tokens, spec.n_layers, start, spec.keep, spec.states, heads)
 
 
 def split_range(start: int, n: int, most: int) -> Iterator[tuple[int, int]]:
@@ -387,64 +425,24 @@ def layer_frame(
     dtype: WireDtype,
     blocks: Sequence[memoryview],
     crc: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> list[Buffer]:
     """Header, then `blocks` (byte views whose concatenation is the payload: K's heads, then
-    V's). `crc` may be given when it was computed elsewhere (a worker thread)."""
+    V's; `heads`: those of this head range only). `crc` may be given when it was computed
+    elsewhere (a worker thread)."""
     size = sum(b.nbytes for b in blocks)
     if crc is None:
         crc = 0
         for b in blocks:
             crc = crc32(b, crc)
-    header = FrameHeader(Kind.LAYER, WireDtype(dtype), layer, token_start, n_tokens, size, crc)
+    header = FrameHeader(Kind.LAYER, WireDtype(dtype), layer, token_start, n_tokens, size, crc,
+                         heads)  # fmt: skip
     return [header.pack(), *blocks]
 
 
 def frame_bytes(parts: Iterable[Buffer]) -> bytes:
     """Frames as contiguous bytes: for tests and small frames."""
     return b"".join(parts)
-
-
-def end_record(
-    prefill_start: float, prefill_end: float, overlap: bool, stamps: dict[str, Sequence[float]]
-) -> dict[str, Any]:
-    """The END object: per-piece stamps (END_STAMPS, prefill clock) as columns of integer
-    microseconds after `prefill_start`, so 8,192 pieces take about 0.2 MB."""
-    origin = prefill_start
-    pieces = {k: [round((t - origin) * 1e6) for t in stamps[k]] for k in END_STAMPS}
-    return {"prefill_start": prefill_start, "prefill_end": prefill_end, "overlap": overlap,
-            "pieces": pieces}  # fmt: skip
-
-
-def parse_end(obj: dict[str, Any], n_pieces: int) -> dict[str, list[float]]:
-    """END's per-piece stamps as seconds on the prefill clock; ProtocolError unless END
-    carries `prefill_start`/`prefill_end` and one integer stamp of each kind per piece."""
-    origin = obj.get("prefill_start")
-    ok = all(_is_number(obj.get(k)) for k in ("prefill_start", "prefill_end"))
-    pieces = obj.get("pieces")
-    ok = ok and isinstance(pieces, dict)
-    ok = ok and all(
-        isinstance(pieces.get(k), list)
-        and len(pieces[k]) == n_pieces
-        and all(_is_int(x) and abs(x) < 2**53 for x in pieces[k])
-        for k in END_STAMPS
-    )
-    _require(ok, "END", f"prefill_start/prefill_end and {n_pieces} integer "
-             f"{'/'.join(END_STAMPS)} stamps", _shape(obj))  # fmt: skip
-    return {k: [origin + x / 1e6 for x in pieces[k]] for k in END_STAMPS}
-
-
-def _is_number(x: object) -> bool:
-    if _is_int(x):
-        return abs(x) < 2**53  # type: ignore[arg-type]
-    return isinstance(x, float) and math.isfinite(x)
-
-
-def _shape(obj: dict) -> str:
-    pieces = obj.get("pieces")
-    if isinstance(pieces, dict):
-        lens = {k: len(v) if isinstance(v, list) else type(v).__name__ for k, v in pieces.items()}
-        return f"keys {sorted(map(str, obj))}, pieces {lens}"
-    return f"keys {sorted(map(str, obj))}"
 
 
 def _byte_view(buf: Buffer, name: str) -> memoryview:
