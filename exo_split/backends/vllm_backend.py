@@ -46,7 +46,7 @@ from exo_split.backends.staged import StagedBackend
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
 from exo_split.layers import is_latent, recurrent_layers
-from exo_split.spec import load_spec
+from exo_split.spec import load_quantization, load_spec
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -293,7 +293,9 @@ def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None 
             "cache layout, which the vllm backend's connector does not read yet",
             hint="prefill this model with --backend torch",
         )
-    dtype = dtype or "float32"
+    # float32, or a quantized checkpoint's scales' dtype (vLLM's 4-bit kernels refuse float32)
+    quantized = load_quantization(model_dir)
+    dtype = dtype or (quantized.scales_dtype if quantized else None) or "float32"
     from vllm.platforms import current_platform
 
     dev = device or current_platform.device_type
