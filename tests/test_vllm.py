@@ -301,23 +301,27 @@ def test_a_model_the_connector_cannot_read_is_refused_before_vllm_starts(vllm_py
     assert why in out and "--backend torch" in out
 
 
-@pytest.fixture(scope="module")
-def gptq_pair(checkpoint, vllm_python, tmp_path_factory):
-    """(vLLM prefill node on a GPTQ 4-bit checkpoint, MLX decode node on the float checkpoint
-    of exactly those weights, that float checkpoint). vLLM's CPU build runs 4-bit GPTQ in
-    float16 or bfloat16 (not float32): the prefill node runs bfloat16, the decode node
-    float32, so the KV is converted on the prefill side."""
-    from gptq import write_gptq
+METHODS = {"gptq": "auto_gptq", "awq": "awq"}  # our checkpoint's format: vLLM's method
 
-    work = tmp_path_factory.mktemp("vllm-gptq")
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def int4_pair(request, checkpoint, vllm_python, tmp_path_factory):
+    """(vLLM prefill node on a 4-bit GPTQ or AWQ checkpoint, MLX decode node on the float
+    checkpoint of exactly those weights, that float checkpoint, the original float one, the
+    format). vLLM's CPU build runs 4-bit weights in float16 or bfloat16 (not float32):
+    started without --dtype, the prefill node runs its scales' float16, the decode node
+    float32, so the KV is converted on the prefill side."""
+    from int4 import write_int4
+
+    work = tmp_path_factory.mktemp(f"vllm-{request.param}")
     src = checkpoint("llama", head_dim=32, num_hidden_layers=4)
-    write_gptq(src, work / "gptq", work / "float")
-    v = NodeProcess(work / "gptq", "vllm", work, *_engine_args(), python=vllm_python)
+    write_int4(src, work / "int4", work / "float", request.param)
+    v = NodeProcess(work / "int4", "vllm", work, *_engine_args(), python=vllm_python)
     m = NodeProcess(work / "float", "mlx", work)
     try:
         v.wait_ready(timeout=300)
         m.wait_ready()
-        yield v, m, work / "float", src
+        yield v, m, work / "float", src, request.param
     finally:
         v.stop()
         m.stop()
@@ -359,17 +363,17 @@ def _reference_kv(model_dir, ids: list[int]) -> list[tuple[np.ndarray, np.ndarra
     return [(c.keys[0].numpy(), c.values[0].numpy()) for c in cache.cache.layers]
 
 
-def test_a_gptq_4bit_vllm_prefill_streams_the_kv_of_its_weights(gptq_pair):
-    """Quantized weights on the prefill side (issue 21): vLLM's CPU 4-bit GPTQ kernels
-    prefill in float16 and the KV travels in the decode node's float32. It is the KV of the
+def test_a_4bit_vllm_prefill_streams_the_kv_of_its_weights(int4_pair):
+    """Quantized weights on the prefill side (issue 21): vLLM's CPU 4-bit kernels (GPTQ,
+    AWQ) prefill in float16 and the KV travels in the decode node's float32. It is the KV of the
     weights the checkpoint holds: within float16's agreement of transformers' float32 KV on
-    the dequantized weights (tests/gptq.py packs them), and > 5x further from the original
+    the dequantized weights (tests/int4.py packs them), and > 5x further from the original
     float weights' KV (what a node that ignored the quantization would have sent). A split
     through it decodes, and the node says what its weights are: vLLM's method, in /v1/info
     and in every report."""
     from exo_split.report.text import prefill_text
 
-    v, m, floats, original = gptq_pair
+    v, m, floats, original, fmt = int4_pair
     ids = prompt_ids(300, seed=800)
     got = asyncio.run(_pull_kv(v, ids))
     want, other = _reference_kv(floats, ids), _reference_kv(original, ids)
@@ -378,12 +382,12 @@ def test_a_gptq_4bit_vllm_prefill_streams_the_kv_of_its_weights(gptq_pair):
               for g, w in zip(gk, wk, strict=True))  # fmt: skip
     off = max(float(np.abs(g - w).max()) for gk, wk in zip(got, other, strict=True)
               for g, w in zip(gk, wk, strict=True))  # fmt: skip
-    print(f"\nGPTQ KV vs its weights: {err:.4f}, vs the original's: {off:.4f}, scale {scale:.2f}")
+    print(f"\n{fmt} KV vs its weights: {err:.4f}, vs the original's: {off:.4f}, scale {scale:.2f}")
     assert err <= 0.03 * scale, (err, scale)
     assert off > 5 * err, (off, err)
     done = _split(m, v, ids)
     assert len(done["tokens"]) == NEW
     engine = done["report"]["timeline"]["prefill"]
-    assert (engine["dtype"], engine["quantization"]) == ("float16", "auto_gptq")
-    assert prefill_text(engine) == "vllm on cpu, float16, auto_gptq weights"
-    assert _vllm_stats(v)["quantization"] == "auto_gptq"
+    assert (engine["dtype"], engine["quantization"]) == ("float16", METHODS[fmt])
+    assert prefill_text(engine) == f"vllm on cpu, float16, {METHODS[fmt]} weights"
+    assert _vllm_stats(v)["quantization"] == METHODS[fmt]
