@@ -86,8 +86,7 @@ def add_node(subparsers) -> None:
         metavar="MS",
         help="while other requests decode, such a job is sized to about this long at the "
         "node's measured prefill speed (at least 32 positions), so their next token waits at "
-        f"most about that; longer raises a burst's throughput, 0: always --local-slice "
-        f"(default {SLICE_S * 1000:g})",
+        f"most about that; 0: always --local-slice (default {SLICE_S * 1000:g})",
     )
     p.add_argument(
         "--model-name",
