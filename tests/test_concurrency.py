@@ -18,6 +18,9 @@ from nodes import TOKEN, node_pair, request, tiny_decode_node
 pytestmark = pytest.mark.timeout(300)
 
 LONG = 240  # the first request's tokens: far more than the newcomers need to start
+# ... when they come through the prefill node (its TLS handshake, its forward in another
+# process, the stream): a loaded 2-core CI box once took longer than 240 of A's steps
+REMOTE_LONG = 1500
 
 
 async def _stream(client, prompt, n, log, who, extra=None):
@@ -34,13 +37,13 @@ async def _stream(client, prompt, n, log, who, extra=None):
     return text
 
 
-async def _scenario(url, extra=None):
+async def _scenario(url, extra=None, long=LONG):
     """A decodes LONG tokens; once A has streamed some, B and C arrive. Returns the event log
     and the texts, then each newcomer's solo text."""
     log: list[tuple[str, str]] = []
     prompts = {"A": list(range(3, 40)), "B": list(range(50, 90)), "C": list(range(100, 130))}
     async with openai.AsyncOpenAI(base_url=url, api_key=TOKEN, max_retries=0) as c:
-        a = asyncio.ensure_future(_stream(c, prompts["A"], LONG, log, "A", extra))
+        a = asyncio.ensure_future(_stream(c, prompts["A"], long, log, "A", extra))
         for _ in range(20_000):  # until A has streamed a few tokens (bounded)
             if sum(1 for who, _ in log if who == "A") >= 5 or a.done():
                 break
@@ -74,7 +77,7 @@ def test_newcomers_kv_streams_in_while_a_long_request_decodes(llama, tmp_path):
     with node_pair(llama, tmp_path, "tiny") as (prefill, decode):
         remote = {"exo_split": {"prefill": "remote", "prefill_peer": prefill.addr,
                                 "fallback": "none"}}  # fmt: skip
-        _check(*asyncio.run(_scenario(f"{decode.url}/v1", remote)))
+        _check(*asyncio.run(_scenario(f"{decode.url}/v1", remote, REMOTE_LONG)))
 
 
 def test_a_local_prefill_in_slices_equals_transformers(llama, monkeypatch):
