@@ -19,14 +19,16 @@ little-endian header (``HEADER``) followed by ``payload_len`` bytes of payload:
 
 Payloads: HELLO, END and ERROR carry one UTF-8 JSON object (ERROR: string "code" and
 "message"). LAYER carries K then V, each [n_kv_heads, n_tokens, head_dim] row-major in the
-frame's dtype (with HEADS: the range's heads only, as a tensor-parallel worker holds them) (bfloat16 as raw 16-bit words); a state frame (n_tokens 0) carries the layer's
-state arrays as layers.py describes them, in order (the KV dtype's, then float32 ones). TOKEN is "<If": the first generated token id
-and its logprob.
+frame's dtype (bfloat16 as raw 16-bit words; with HEADS, the range's heads only, as a
+tensor-parallel worker holds them); a state frame (n_tokens 0) carries the layer's state
+arrays as layers.py describes them, in order (the KV dtype's, then float32 ones). TOKEN is
+"<If": the first generated token id and its logprob.
 
 Stream: HELLO, which announces the `Plan`; then exactly the Plan's LAYER frames (chunk-major,
-then layer, then token ranges of at most `frame_tokens`, then the plan's head ranges); TOKEN; END, whose per-piece stamps
-are columns of integer microseconds. An ERROR frame may come instead of any frame and ends the
-stream. decoder.FrameDecoder enforces all of this; docs/protocol.md is the long form.
+then layer, then token ranges of at most `frame_tokens`, then the plan's head ranges); TOKEN;
+END, whose per-piece stamps are columns of integer microseconds. An ERROR frame may come
+instead of any frame and ends the stream. decoder.FrameDecoder enforces all of this;
+docs/protocol.md is the long form.
 """
 
 from __future__ import annotations
