@@ -351,7 +351,12 @@ def test_an_agent_loop_through_the_anthropic_client(nodes):
             assert "message_delta" in kinds and use.output_tokens == s_use.output_tokens
             assert report["decision"]["choice"] == "remote"
             assert report["prefix"]["decode_cached_tokens"] >= last_prompt
-            last_prompt = use.input_tokens
+            # Anthropic's split of the prompt: computed + read from a cache = the whole prompt
+            assert use.cache_read_input_tokens == report["prompt_tokens"] - report["prefix"][
+                "computed_tokens"]  # fmt: skip
+            assert step == 0 or use.cache_read_input_tokens > 0  # the turns before it
+            assert use.cache_creation_input_tokens == 0
+            last_prompt = use.input_tokens + use.cache_read_input_tokens
             uses = [b for b in blocks if b["type"] == "tool_use"]
             if step == 3 and not uses:
                 assert reason in ("end_turn", "max_tokens")

@@ -27,6 +27,7 @@ from exo_split.transport.anthropic import (
     new_id,
     to_openai,
     tool_use_block,
+    usage,
 )
 from exo_split.transport.openai import CompletionRequest, OpenAIError
 from exo_split.transport.server import STATE, error_shape, shaped_errors
@@ -88,7 +89,7 @@ class _MessagesRun(Run):
         return blocks + [tool_use_block(c) for c in calls]
 
     async def start(self) -> None:
-        head = message(self.id, self.req.model, [], None, None, 0, 0)
+        head = message(self.id, self.req.model, [], None, None, None)
         await self.write(event("message_start", message=head))
         await self.write(event("ping"))
 
@@ -118,7 +119,7 @@ class _MessagesRun(Run):
         stop_reason, stop_sequence = self._stop(text, reason, done)
         await self.write(event(
             "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            usage={"input_tokens": use["prompt_tokens"], "output_tokens": use["completion_tokens"]},
+            usage=usage(use),
             exo_split={"report": done["report"]},
         ))  # fmt: skip
         await self.write(event("message_stop"))
@@ -126,7 +127,7 @@ class _MessagesRun(Run):
     def response(self, text: str, reason: str, use: dict, done: dict, calls: list) -> dict:
         stop_reason, stop_sequence = self._stop(text, reason, done)
         out = message(self.id, self.req.model, self._content(text, calls), stop_reason,
-                      stop_sequence, use["prompt_tokens"], use["completion_tokens"])  # fmt: skip
+                      stop_sequence, use)  # fmt: skip
         return out | {"exo_split": {"report": done["report"]}}
 
     def failure(self, exc: OpenAIError) -> web.Response:

@@ -196,11 +196,24 @@ def tool_use_block(call: ToolCall) -> dict:
             "input": call.arguments}  # fmt: skip
 
 
+def usage(use: dict | None) -> dict:
+    """Anthropic's usage from the OpenAI one (transport/openai.usage): `input_tokens` are the
+    prompt positions computed for this request, `cache_read_input_tokens` those a prefix
+    cache served (their sum is the whole prompt, as count_tokens counts it); nothing is
+    written to a cache at a price, so `cache_creation_input_tokens` is 0."""
+    use = use or {}
+    prompt = use.get("prompt_tokens", 0)
+    cached = (use.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": use.get("completion_tokens", 0)}  # fmt: skip
+
+
 def message(msg_id: str, model: str, content: list[dict], stop_reason: str | None,
-            stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict:  # fmt: skip
+            stop_sequence: str | None, use: dict | None) -> dict:  # fmt: skip
+    """A Messages API message; `use`: the OpenAI usage (None: nothing counted yet)."""
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}  # fmt: skip
+            "usage": usage(use)}  # fmt: skip
 
 
 def event(kind: str, **fields) -> bytes:
