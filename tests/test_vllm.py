@@ -58,9 +58,9 @@ def tiny(checkpoint):
     return checkpoint("llama", head_dim=32, num_hidden_layers=6)
 
 
-def _two_nodes(ckpt, work, python: str, *engine: str, decode_cache: str = "0"):
+def _two_nodes(ckpt, work, python: str, *engine: str, decode_cache: str = "0", env=None):
     """A vLLM prefill node and an MLX decode node on `ckpt`, stopped on the way out."""
-    v = NodeProcess(ckpt, "vllm", work, *_engine_args(*engine), python=python)
+    v = NodeProcess(ckpt, "vllm", work, *_engine_args(*engine), python=python, env=env)
     m = NodeProcess(ckpt, "mlx", work, prefix_cache_bytes=decode_cache)
     try:
         v.wait_ready(timeout=300)
@@ -215,19 +215,24 @@ async def _leave_after(url: str, body: dict, n_bytes: int) -> None:
     writer.transport.abort()  # the decode side goes away mid-stream
 
 
-def test_a_receiver_leaving_mid_stream_fails_that_request_and_the_engine_serves_on(pair, tiny):
-    v, m = pair
+def _leave_then_split(v, m, ckpt, n: int, seed: int, then: int) -> None:
+    """A receiver leaves a prefill of `n` positions mid-stream: the node counts it cancelled
+    (within 2 minutes), then a split of `then` positions gives transformers' tokens."""
     spec = v.info["spec"]
-    body = {"request_id": "leaver", "token_ids": prompt_ids(3000, seed=9), "spec": spec,
+    body = {"request_id": f"leaver-{seed}", "token_ids": prompt_ids(n, seed=seed), "spec": spec,
             "fingerprint": spec["fingerprint"]}  # fmt: skip
     before = _stats(v)
     asyncio.run(_leave_after(v.url, body, 20_000))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while _stats(v).get("prefills_cancelled", 0) == before.get("prefills_cancelled", 0):
         assert time.monotonic() < deadline, _stats(v)
         time.sleep(0.1)
-    ids = prompt_ids(300, seed=10)
-    assert _split(m, v, ids, prefix_cache=False)["tokens"] == reference_generate(tiny, ids, NEW)
+    ids = prompt_ids(then, seed=seed + 1)
+    assert _split(m, v, ids, prefix_cache=False)["tokens"] == reference_generate(ckpt, ids, NEW)
+
+
+def test_a_receiver_leaving_mid_stream_fails_that_request_and_the_engine_serves_on(pair, tiny):
+    _leave_then_split(*pair, tiny, 3000, seed=9, then=300)
 
 
 def _stats(node) -> dict:
@@ -287,6 +292,9 @@ def _refused_start(python: str, model, *args: str) -> str:
 def test_engine_arguments_exo_split_sets_are_refused(vllm_python, tiny):
     out = _refused_start(vllm_python, tiny, "--engine-arg", "dtype=float16")
     assert "dtype are set by exo-split" in out
+    # the tiny Llama's 2 KV heads cannot be 3 workers' own ranges (vLLM would replicate them)
+    out = _refused_start(vllm_python, tiny, "--engine-arg", "tensor_parallel_size=3")
+    assert "tensor_parallel_size 3 does not divide" in out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the vLLM CPU build is for Linux")
@@ -347,7 +355,7 @@ async def _pull_kv(v, ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
     async with aiohttp.ClientSession() as session:
         async for f in kv_stream(session, secure_url(v.url, True), TOKEN, body, stream,
                                  Timeouts(total=120)):  # fmt: skip
-            if f.kind is wire.Kind.LAYER:
+            if f.kind is wire.Kind.LAYER and f.complete:  # (a head range's: once all are in)
                 shape = (spec.n_kv_heads, f.header.n_tokens, spec.head_dim)
                 parts[f.header.layer].append([np.frombuffer(x, np.float32).reshape(shape)
                                               for x in (f.k, f.v)])  # fmt: skip
@@ -391,3 +399,51 @@ def test_a_4bit_vllm_prefill_streams_the_kv_of_its_weights(int4_pair):
     assert (engine["dtype"], engine["quantization"]) == ("float16", METHODS[fmt])
     assert prefill_text(engine) == f"vllm on cpu, float16, {METHODS[fmt]} weights"
     assert _vllm_stats(v)["quantization"] == METHODS[fmt]
+
+
+@pytest.fixture(scope="module")
+def tp_pair(checkpoint, vllm_python, tmp_path_factory):
+    """(vLLM prefill node running tensor_parallel_size=2, MLX decode node, checkpoint): two
+    worker processes, one CPU each, each holding 2 of the 4 KV heads."""
+    ckpt = checkpoint("llama", head_dim=32, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4)  # fmt: skip
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("tensor parallelism on vLLM's CPU build wants a CPU per worker")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    work = tmp_path_factory.mktemp("vllm-tp")
+    for v, m in _two_nodes(ckpt, work, vllm_python, "tensor_parallel_size=2", env=env,
+                           decode_cache="256M"):  # fmt: skip
+        yield v, m, ckpt
+
+
+def test_a_tensor_parallel_vllm_prefill_sends_each_workers_heads(tp_pair):
+    """Tensor parallelism (issue 21): each vLLM worker process sends its range of KV heads to
+    the node (its relay), whose frames carry the ranges; the decode node assembles the layers.
+    The KV on the wire equals transformers' (float32), the split gives transformers' tokens
+    at 1 and 300 positions (vLLM's chunks of 256), and a vLLM prefix hit still sends every
+    position, read from the workers' blocks."""
+    v, m, ckpt = tp_pair
+    ids = prompt_ids(300, seed=900)
+    got, want = asyncio.run(_pull_kv(v, ids)), _reference_kv(ckpt, ids)
+    err = max(float(np.abs(g - w).max()) for gk, wk in zip(got, want, strict=True)
+              for g, w in zip(gk, wk, strict=True))  # fmt: skip
+    assert err < 1e-4, err
+    hits = _vllm_stats(v)["prefix_hit_tokens"]
+    for n in (1, 300):
+        ids = prompt_ids(n, seed=900)  # 300: the prompt vLLM has just cached
+        done = _split(m, v, ids, prefix_cache=False)
+        assert done["tokens"] == reference_generate(ckpt, ids, NEW), n
+        assert done["report"]["timeline"]["prefill"]["head_ranges"] == 2
+    stats = _vllm_stats(v)
+    assert stats["tensor_parallel_size"] == 2
+    # every position of both splits came through the relay from the workers' processes
+    assert stats["relay_bytes"] >= 4 * 2 * 4 * 32 * 4 * (300 + 300 + 1)
+    assert stats["prefix_hit_tokens"] > hits  # the 300 positions' blocks were cached
+
+
+def test_a_receiver_leaving_a_tensor_parallel_prefill_fails_it_and_the_workers_serve_on(tp_pair):
+    """The decode side leaves mid-stream: the node stops waiting for the workers' pieces (the
+    late ones are dropped), counts the prefill cancelled, and the next split is exact."""
+    v, m, ckpt = tp_pair
+    _leave_then_split(v, m, ckpt, 1000, seed=901, then=40)

@@ -17,7 +17,9 @@ its own (a decode node runs MLX or torch).
 
 Engine arguments beyond ours come from EXO_SPLIT_VLLM_ARGS (JSON object; the node's
 --engine-arg KEY=VALUE sets it): quantization, gpu_memory_utilization, kv_cache_memory_bytes,
-max_model_len, max_num_batched_tokens.
+max_model_len, max_num_batched_tokens, tensor_parallel_size. With tensor parallelism vLLM's
+workers run in processes of their own and send their KV heads to this process's relay
+(vllm_relay.py); the frames then carry each worker's head range.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from exo_split.backends import vllm_kv as conn  # noqa: E402
+from exo_split.backends import vllm_relay as relays
 from exo_split.backends.base import Cancelled, Prefilled
 from exo_split.backends.staged import StagedBackend
 from exo_split.errors import BadCheckpoint, ExoSplitError
 from exo_split.kv import LayerKV, chunk_sizes, streamed_chunks
 from exo_split.layers import is_latent, recurrent_layers
 from exo_split.spec import load_quantization, load_spec
+from exo_split.transport.heads import even_ranges
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter
@@ -54,6 +58,7 @@ DEFAULT_BUDGET = 2048  # max_num_batched_tokens: the chunk vLLM prefills at a ti
 ARGS_ENV = "EXO_SPLIT_VLLM_ARGS"
 SUPPORTED = ("0.32.0",)  # the vLLM releases whose connector contract tests passed
 _OURS = ("model", "dtype", "kv_transfer_config", "max_logprobs", "logprobs_mode")
+RELAY_TIMEOUT_S = 60.0  # tensor-parallel: the workers' last pieces after the prefill's end
 
 
 class VllmBackend(StagedBackend):
@@ -63,7 +68,8 @@ class VllmBackend(StagedBackend):
     stages_in_background = True  # prefill(background=True): the ring drains after it
     window_keep: tuple[int | None, ...] = ()
 
-    def __init__(self, llm, spec, dtype: str, device: str, budget: int, quantization: str | None):
+    def __init__(self, llm, spec, dtype: str, device: str, budget: int, quantization: str | None,
+                 relay: relays.Relay | None = None, tp: int = 1):  # fmt: skip
         import torch
 
         from exo_split.backends.torch_staging import DEFAULT_SLOT_TIMEOUT_S, CpuOps, CudaOps
@@ -82,6 +88,10 @@ class VllmBackend(StagedBackend):
         self.quantization = None  # an MLX-quantization record (spec.Quantization): none here
         self.engine_quantization = quantization  # vLLM's method (fp8, awq, ...) or None
         self.counts = {"prefills": 0, "prompt_tokens": 0, "prefix_hit_tokens": 0}
+        # Tensor parallelism: each worker's heads reach us through the relay, one frame each
+        self.relay, self.tp = relay, tp
+        self.head_ranges = even_ranges(spec.n_kv_heads, tp) if tp > 1 else ()
+        self.relay_timeout_s = RELAY_TIMEOUT_S
 
     @property
     def quantization_tag(self) -> str | None:
@@ -126,18 +136,23 @@ class VllmBackend(StagedBackend):
             at += size
         stop = should_stop or (lambda: False)
         stager = stage = None
-        if on_layer is not None and self.ring.bounded:
+        if on_layer is not None and self.ring.bounded and self.relay is None:
             clock_ = self.ops.begin()
             stager = self._stager(clock_, on_layer, stop)
 
             def stage(layer: int, at: int, k, v) -> None:  # the forward's thread
                 stager.put(layer, at, k.shape[1], clock_.record(), (k[None], v[None]), base=at)
 
-        job = conn.Job(pieces, on_layer or kept.append, self.dtype, stop, stage=stage)
-        job_id = f"exo-split-{uuid.uuid4().hex}"
+        job_id, extra = f"exo-split-{uuid.uuid4().hex}", {}
+        if self.relay is not None:  # the workers' Jobs gather; the relay puts pieces together
+            job = relays.RelayJob(pieces, self.tp, on_layer or kept.append, self.dtype)
+            extra[relays.PLAN_KEY] = {"pieces": pieces, "dtype": self.dtype}
+            self.relay.register(job_id, job)
+        else:
+            job = conn.Job(pieces, on_layer or kept.append, self.dtype, stop, stage=stage)
+            conn.register(job_id, job)
         params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, flat_logprobs=True,
-                                detokenize=False, extra_args={conn.JOB_KEY: job_id})  # fmt: skip
-        conn.register(job_id, job)
+                                detokenize=False, extra_args={conn.JOB_KEY: job_id, **extra})  # fmt: skip
         finished = None
         try:
             try:
@@ -152,14 +167,20 @@ class VllmBackend(StagedBackend):
                     break
                 if finished is None and not self.engine.has_unfinished_requests():
                     raise ExoSplitError("vLLM dropped the prefill request")
+            if self.relay is not None and not job.wait(self.relay_timeout_s, stop):
+                job.fail(relays.RelayError(
+                    f"vLLM's workers handed on {job.next_piece} of {len(pieces)} pieces within "
+                    f"{self.relay_timeout_s:g} s of the prefill's end"))  # fmt: skip
             computed_at = clock()
         finally:
             if finished is None:
                 self.engine.abort_request([job_id])
             conn.unregister(job_id)
+            if self.relay is not None:
+                self.relay.unregister(job_id)
             if stager is not None and (finished is None or job.error is not None):
                 stager.abort()
-        if isinstance(job.error, conn.Cancelled) or (finished is None and stop()):
+        if isinstance(job.error, conn.Cancelled) or ((finished is None or not job.done) and stop()):
             raise Cancelled("prefill cancelled")
         if isinstance(job.error, ValueError):  # a layout or dtype the connector does not read
             raise ExoSplitError(str(job.error)) from job.error
@@ -187,9 +208,12 @@ class VllmBackend(StagedBackend):
 
     def describe(self) -> dict:
         """GET /v1/info's stats.engine: vLLM's version, budget, quantization and counts
-        (prefix_hit_tokens: positions vLLM found in its prefix cache and did not compute)."""
+        (prefix_hit_tokens: positions vLLM found in its prefix cache and did not compute;
+        relay_bytes: KV bytes tensor-parallel workers sent this process)."""
+        relay = {"relay_bytes": self.relay.received_bytes} if self.relay is not None else {}
         return {"name": "vllm", "version": vllm.__version__, "max_num_batched_tokens": self.budget,
-                "quantization": self.engine_quantization, **self.counts}  # fmt: skip
+                "quantization": self.engine_quantization, "tensor_parallel_size": self.tp,
+                **self.counts, **relay}  # fmt: skip
 
     def _logits(self, out) -> np.ndarray:
         lp = out.outputs[0].logprobs
@@ -227,6 +251,8 @@ class VllmBackend(StagedBackend):
             self.engine.engine_core.shutdown()
         except Exception as exc:  # the process is going anyway
             log.debug("vLLM shutdown: %s", exc)
+        if self.relay is not None:
+            self.relay.close()
 
     def _decode_only(self, *args, **kwargs):
         raise ExoSplitError(
@@ -237,8 +263,11 @@ class VllmBackend(StagedBackend):
     decode = step = new_cache = inject = _decode_only
 
 
-def engine_args(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
-    """vLLM's arguments: the node's, then EXO_SPLIT_VLLM_ARGS' (which may not set ours)."""
+def engine_args(
+    model_dir: Path, dtype: str, device: str, relay: str | None = None
+) -> dict[str, Any]:
+    """vLLM's arguments: the node's, then EXO_SPLIT_VLLM_ARGS' (which may not set ours);
+    `relay`: the socket tensor-parallel workers send their heads to."""
     from vllm.config import KVTransferConfig
 
     extra = json.loads(os.environ.get(ARGS_ENV) or "{}")
@@ -247,13 +276,10 @@ def engine_args(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
     clash = sorted(set(extra) & set(_OURS))
     if clash:
         raise ExoSplitError(f"vLLM engine arguments {', '.join(clash)} are set by exo-split")
-    if (
-        int(extra.get("tensor_parallel_size", 1)) > 1
-        or int(extra.get("pipeline_parallel_size", 1)) > 1
-    ):
+    if int(extra.get("pipeline_parallel_size", 1)) > 1:
         raise ExoSplitError(
-            "the vllm backend runs one worker in the node's process: tensor and pipeline "
-            "parallelism are not supported yet (docs/vllm.md)"
+            "the vllm backend does not support pipeline parallelism yet (tensor parallelism "
+            "it does: tensor_parallel_size; docs/vllm.md)"
         )
     args: dict[str, Any] = {
         "model": str(model_dir),
@@ -266,6 +292,7 @@ def engine_args(model_dir: Path, dtype: str, device: str) -> dict[str, Any]:
             kv_connector="ExoSplitConnector",
             kv_connector_module_path="exo_split.backends.vllm_connector",
             kv_role="kv_producer",
+            kv_connector_extra_config={relays.RELAY_KEY: relay} if relay else {},
         ),
     }
     if device == "cpu":
@@ -301,13 +328,33 @@ def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None 
     dev = device or current_platform.device_type
     if dev not in ("cpu", "cuda") and not dev.startswith("cuda"):
         raise ExoSplitError(f"the vllm backend runs on cpu or cuda, not {dev!r}")
-    args = engine_args(model_dir, dtype, dev)
+    tp = parallel_size(spec)
+    relay = relays.Relay() if tp > 1 else None
+    args = engine_args(model_dir, dtype, dev, relay.path if relay else None)
     try:
         llm = LLM(**args)
     except (ValueError, RuntimeError, OSError, NotImplementedError) as exc:
+        if relay is not None:
+            relay.close()
         raise BadCheckpoint(f"vLLM cannot load {model_dir}: {exc}") from exc
     config = llm.llm_engine.vllm_config
     budget = config.scheduler_config.max_num_batched_tokens
     quant = getattr(config.model_config, "quantization", None)
     log.info("vllm backend: %s on %s in %s, chunks of %d", spec.name, dev, dtype, budget)
-    return VllmBackend(llm, spec, dtype, "cuda" if dev.startswith("cuda") else dev, budget, quant)
+    return VllmBackend(llm, spec, dtype, "cuda" if dev.startswith("cuda") else dev, budget, quant,
+                       relay, tp)  # fmt: skip
+
+
+def parallel_size(spec) -> int:
+    """EXO_SPLIT_VLLM_ARGS' tensor_parallel_size, checked against the model's KV heads: each
+    worker must hold its own range (vLLM replicates heads across workers when there are
+    fewer heads than workers, which the wire's ranges do not describe)."""
+    extra = json.loads(os.environ.get(ARGS_ENV) or "{}")
+    tp = int(extra.get("tensor_parallel_size", 1)) if isinstance(extra, dict) else 1
+    if tp > 1 and spec.n_kv_heads % tp:
+        raise ExoSplitError(
+            f"tensor_parallel_size {tp} does not divide {spec.name}'s {spec.n_kv_heads} KV heads: "
+            "exo-split sends each worker's own range of heads",
+            hint="a tensor_parallel_size that divides the KV heads",
+        )
+    return tp

@@ -9,6 +9,11 @@ positions the step computes; the worker side, called by every attention layer af
 wrote its KV (save_kv_layer, on the forward's own thread), hands the job the layer, which
 emits the plan's pieces that layer now holds (vllm_kv.Job). The layout is chosen from what
 vLLM reports (vllm_kv.layout_of).
+
+With tensor parallelism (the node's relay named in kv_connector_extra_config) each worker
+runs in a process of its own: the scheduler side passes the job's plan in the metadata, each
+worker's side keeps a Job of its own over its heads and sends its pieces to the node's relay
+(vllm_relay.py), which puts them together.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from exo_split.backends.vllm_kv import JOB_KEY, layout_of, lookup
+from exo_split.backends.vllm_kv import JOB_KEY, Job, layout_of, lookup
+from exo_split.backends.vllm_relay import PLAN_KEY, RELAY_KEY, WorkerLink
 
 _LAYER = re.compile(r"\.(\d+)\.")  # model.layers.{i}.self_attn.attn
 
@@ -35,11 +41,13 @@ class _Step:
     blocks: list[int]
     start: int  # positions [start, end) computed in this step
     end: int
+    plan: dict | None = None  # tensor-parallel: the job's pieces and dtype (its first step)
 
 
 @dataclass
 class ExoSplitMetadata(KVConnectorMetadata):
     steps: list[_Step] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # jobs whose requests ended
 
 
 class ExoSplitConnector(KVConnectorBase_V1):
@@ -52,8 +60,12 @@ class ExoSplitConnector(KVConnectorBase_V1):
         self._requests: dict[str, tuple[str, list[int]]] = {}  # req id -> (job id, blocks)
         self._layouts: dict[int, str] = {}
         model = vllm_config.model_config
-        self._heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        self._heads = model.get_num_kv_heads(vllm_config.parallel_config)  # this worker's
         self._head_dim = model.get_head_size()
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._relay: str | None = extra.get(RELAY_KEY)  # tensor-parallel: the node's socket
+        self._link: WorkerLink | None = None
+        self._jobs: dict[str, Job] = {}  # tensor-parallel: this worker's jobs
 
     # Scheduler side -----------------------------------------------------------------------
 
@@ -74,7 +86,7 @@ class ExoSplitConnector(KVConnectorBase_V1):
             self._requests[new.req_id] = (job_id, list(new.block_ids[0]))
             start = new.num_computed_tokens
             meta.steps.append(_Step(new.req_id, job_id, list(new.block_ids[0]), start,
-                                    start + scheduled[new.req_id]))  # fmt: skip
+                                    start + scheduled[new.req_id], extra.get(PLAN_KEY)))  # fmt: skip
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._requests:
@@ -89,7 +101,9 @@ class ExoSplitConnector(KVConnectorBase_V1):
             meta.steps.append(_Step(req_id, job_id, list(blocks), start,
                                     start + scheduled[req_id]))  # fmt: skip
         for req_id in scheduler_output.finished_req_ids:
-            self._requests.pop(req_id, None)
+            job = self._requests.pop(req_id, None)
+            if job is not None:
+                meta.finished.append(job[0])
         return meta
 
     def request_finished(self, request, block_ids):
@@ -99,7 +113,9 @@ class ExoSplitConnector(KVConnectorBase_V1):
     # Worker side --------------------------------------------------------------------------
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        return
+        meta = self._get_connector_metadata()
+        for job_id in getattr(meta, "finished", ()):
+            self._jobs.pop(job_id, None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -113,17 +129,35 @@ class ExoSplitConnector(KVConnectorBase_V1):
             return
         layer = int(match.group(1))
         for step in meta.steps:
-            job = lookup(step.job_id)
+            job = lookup(step.job_id) if self._relay is None else self._worker_job(step)
             if job is None:
                 continue
+            failed = job.error is not None
             if not job.layout:
                 try:
                     job.layout = self._layout(layer, layer_name, kv_layer)
                 except ValueError as exc:
                     job.error = exc
-                    continue
-            job.layer_saved(layer, kv_layer, step.blocks, step.start, step.end,
-                            self._block_size)  # fmt: skip
+            if job.layout:
+                job.layer_saved(layer, kv_layer, step.blocks, step.start, step.end,
+                                self._block_size)  # fmt: skip
+            if self._link is not None and job.error is not None and not failed:
+                self._link.fail(step.job_id, str(job.error))
+
+    def _worker_job(self, step: _Step) -> Job | None:
+        """Tensor-parallel: this worker's Job for the step's job, made from the plan its
+        first step carries; its pieces (this worker's heads) go to the node's relay."""
+        job = self._jobs.get(step.job_id)
+        if job is None and step.plan is not None:
+            if self._link is None:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                self._link = WorkerLink(self._relay, get_tensor_model_parallel_rank())
+            link, job_id = self._link, step.job_id
+            pieces = [(int(a), int(b), int(c)) for a, b, c in step.plan["pieces"]]
+            job = Job(pieces, lambda kv: link.send(job_id, kv), step.plan["dtype"])
+            self._jobs[job_id] = job
+        return job
 
     def _layout(self, layer: int, layer_name: str, kv_layer) -> str:
         if layer not in self._layouts:
