@@ -118,3 +118,22 @@ def test_quick_bench_reports_every_figure(tmp_path):
     # Everything the benchmark created is gone; the nodes' logs were kept as asked.
     assert _namespaces_of(proc.pid) == []
     assert {"prefill.log", "decode.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
+
+
+def test_the_vllm_bench_table_has_a_row_per_vllm_node_with_its_ratios_to_torch():
+    """bench --vllm --vllm-tp 2's table (bench/vllm.py render): the torch node's figures beside
+    each vllm node's, each ratio that node's over torch's."""
+    from exo_split.bench.vllm import render
+
+    def arm(compute, ttft):
+        return {"compute": compute, "ttft": ttft, "exposed": 0.01, "hidden": 0.9}
+
+    row = {"tokens": 1000, "case": "new prompt", "torch": arm(2.0, 2.5),
+           "vllm": arm(1.0, 1.5), "vllm-tp2": arm(4.0, 5.0),
+           "ratios": {"vllm": {"compute": 0.5, "ttft": 0.6},
+                      "vllm-tp2": {"compute": 2.0, "ttft": 2.0}}}  # fmt: skip
+    lines = render([row], "m", 2, 256).splitlines()[-2:]
+    assert lines[0].startswith(
+        "| 1000 | new prompt | 2.000 s | 1.000 s | 0.50x | 2.500 s | 1.500 s"
+    )
+    assert lines[1].startswith("| 1000 | new prompt (vllm-tp2) | 2.000 s | 4.000 s | 2.00x |")

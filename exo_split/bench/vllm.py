@@ -10,8 +10,11 @@ prefix caching; the torch node's PrefixCache, 2 GB); the decode node has none, s
 position travels each time. Per node and length, medians
 of: the prefill's compute time (the prefill node's own clock), the exposed handoff (the
 decode node's KV-complete minus the prefill's end), the hidden fraction of the transfer, and
-TTFT as the client sees it. Ratios are vllm / torch. Both nodes get the same threads
-(OMP_NUM_THREADS, default: all cores; vLLM would otherwise take one).
+TTFT as the client sees it. Ratios are each vllm node's / torch's. The nodes get the same
+threads (OMP_NUM_THREADS, default: all cores; vLLM would otherwise take one). `--vllm-tp N`
+adds a third prefill node, vLLM with tensor_parallel_size=N (each worker process bound to
+one of the first N cores: VLLM_CPU_OMP_THREADS_BIND), whose workers' KV heads reach the node
+through its relay and travel as N head ranges.
 
 Prints a Markdown table and one JSON line; docs/BENCHMARKS.md "vLLM as the prefill engine".
 """
@@ -35,16 +38,19 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "bench-vllm-token-0123456789"
 
 
-def start(model: Path, backend: str, python: str, work: Path, *extra: str) -> subprocess.Popen:
-    ready = work / f"ready-{backend}.json"
-    log = (work / f"{backend}.log").open("w")
+def start(model: Path, backend: str, python: str, work: Path, *extra: str, name: str = "",
+          env: dict | None = None) -> subprocess.Popen:  # fmt: skip
+    name = name or backend
+    ready = work / f"ready-{name}.json"
+    log = (work / f"{name}.log").open("w")
     cache = "2G" if backend == "torch" else "0"  # the decode node: none; vLLM: its own
     cmd = [python, "-m", "exo_split", "node", "--model", str(model), "--backend", backend,
            "--host", "127.0.0.1", "--port", "0", "--no-mdns", "--prefix-cache-bytes", cache,
            "--ready-file", str(ready), *extra]  # fmt: skip
-    env = {**os.environ, "EXO_SPLIT_TOKEN": TOKEN, "EXO_SPLIT_CACHE": str(work / "cache")}
+    env = {**os.environ, "EXO_SPLIT_TOKEN": TOKEN, "EXO_SPLIT_CACHE": str(work / "cache"),
+           **(env or {})}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    proc.ready, proc.log_path = ready, work / f"{backend}.log"  # type: ignore[attr-defined]
+    proc.ready, proc.log_path = ready, work / f"{name}.log"  # type: ignore[attr-defined]
     return proc
 
 
@@ -86,27 +92,30 @@ def main(args) -> int:
     vocab = config["vocab_size"]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     lengths = list(args.lengths or (1000, 3000))
-    repeats, budget = args.repeats or 3, args.vllm_budget
+    repeats, budget, tp = args.repeats or 3, args.vllm_budget, getattr(args, "vllm_tp", 1)
+    engine = ["--engine-arg", f"max_num_batched_tokens={budget}",
+              "--engine-arg", "kv_cache_memory_bytes=1073741824",
+              "--engine-arg", f"max_model_len={max(max(lengths) + 64, 512)}"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
-        procs = [
-            start(model, "torch", sys.executable, work),
-            start(model, "vllm", str(vllm_python), work,
-                  "--engine-arg", f"max_num_batched_tokens={budget}",
-                  "--engine-arg", "kv_cache_memory_bytes=1073741824",
-                  "--engine-arg", f"max_model_len={max(max(lengths) + 64, 512)}"),
-            start(model, "mlx", sys.executable, work),
-        ]  # fmt: skip
+        procs = {"mlx": start(model, "mlx", sys.executable, work),
+                 "torch": start(model, "torch", sys.executable, work),
+                 "vllm": start(model, "vllm", str(vllm_python), work, *engine)}  # fmt: skip
+        if tp > 1:
+            cpus = sorted(os.sched_getaffinity(0))[:tp]
+            procs[f"vllm-tp{tp}"] = start(
+                model, "vllm", str(vllm_python), work, *engine, "--engine-arg",
+                f"tensor_parallel_size={tp}", name=f"vllm-tp{tp}",
+                env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cpus))})  # fmt: skip
         try:
-            torch_info, vllm_info, mlx_info = (wait(proc) for proc in procs)
-            decode = f"http://127.0.0.1:{mlx_info['port']}"
-            peers = {"torch": f"127.0.0.1:{torch_info['port']}",
-                     "vllm": f"127.0.0.1:{vllm_info['port']}"}  # fmt: skip
+            infos = {name: wait(proc) for name, proc in procs.items()}
+            decode = f"http://127.0.0.1:{infos.pop('mlx')['port']}"
+            peers = {name: f"127.0.0.1:{info['port']}" for name, info in infos.items()}
             rows = run(decode, peers, lengths, repeats, vocab)
         finally:
-            for proc in procs:
+            for proc in procs.values():
                 proc.terminate()
-            for proc in procs:
+            for proc in procs.values():
                 proc.wait(30)
     print(render(rows, model.name, repeats, budget))
     print(json.dumps({"schema": "exo-split.bench-vllm/1", "model": model.name,
@@ -115,14 +124,14 @@ def main(args) -> int:
 
 
 def run(decode: str, peers: dict, lengths: list[int], repeats: int, vocab: int) -> list[dict]:
-    one(decode, peers["torch"], prompt(64, 999, vocab))  # each path's first request, untimed
-    one(decode, peers["vllm"], prompt(64, 998, vocab))
+    for i, peer in enumerate(peers.values()):  # each path's first request, untimed
+        one(decode, peer, prompt(64, 999 - i, vocab))
     rows = []
     for n in lengths:
-        got: dict[str, list[dict]] = {"torch": [], "vllm": []}
-        hit: dict[str, list[dict]] = {"torch": [], "vllm": []}
+        got: dict[str, list[dict]] = {name: [] for name in peers}
+        hit: dict[str, list[dict]] = {name: [] for name in peers}
         for r in range(repeats):
-            order = ("torch", "vllm") if r % 2 == 0 else ("vllm", "torch")
+            order = list(peers) if r % 2 == 0 else list(reversed(peers))
             ids = prompt(n, 1000 * n + r, vocab)
             for name in order:
                 got[name].append(one(decode, peers[name], ids))
@@ -135,24 +144,29 @@ def run(decode: str, peers: dict, lengths: list[int], repeats: int, vocab: int) 
             med = {
                 k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()
             }
+            ratios = {k: {"compute": med[k]["compute"] / med["torch"]["compute"],
+                          "ttft": med[k]["ttft"] / med["torch"]["ttft"]}
+                      for k in med if k != "torch"}  # fmt: skip
             rows.append({"tokens": n, "case": label, **{k: med[k] for k in med},
-                         "compute_ratio": med["vllm"]["compute"] / med["torch"]["compute"],
-                         "ttft_ratio": med["vllm"]["ttft"] / med["torch"]["ttft"]})  # fmt: skip
+                         "compute_ratio": ratios["vllm"]["compute"],
+                         "ttft_ratio": ratios["vllm"]["ttft"], "ratios": ratios})  # fmt: skip
     return rows
 
 
 def render(rows: list[dict], model: str, repeats: int, budget: int) -> str:
     out = [f"{model}, {repeats} runs per point (medians), vLLM budget {budget}, "
-           f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}", "",
+           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", "",
            "| tokens | case | torch prefill | vllm prefill | vllm / torch | torch TTFT | "
            "vllm TTFT | vllm / torch | exposed handoff torch / vllm | hidden torch / vllm |",
            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        t, v = r["torch"], r["vllm"]
-        out.append(
-            f"| {r['tokens']} | {r['case']} | {t['compute']:.3f} s | {v['compute']:.3f} s | "
-            f"{r['compute_ratio']:.2f}x | {t['ttft']:.3f} s | {v['ttft']:.3f} s | "
-            f"{r['ttft_ratio']:.2f}x | {t['exposed']:.3f} / {v['exposed']:.3f} s | "
-            f"{t['hidden']:.2f} / {v['hidden']:.2f} |"
-        )
+        t = r["torch"]
+        for name, ratio in r["ratios"].items():  # a row per vllm node
+            v = r[name]
+            out.append(
+                f"| {r['tokens']} | {r['case']}{'' if name == 'vllm' else f' ({name})'} | "
+                f"{t['compute']:.3f} s | {v['compute']:.3f} s | {ratio['compute']:.2f}x | "
+                f"{t['ttft']:.3f} s | {v['ttft']:.3f} s | {ratio['ttft']:.2f}x | "
+                f"{t['exposed']:.3f} / {v['exposed']:.3f} s | {t['hidden']:.2f} / {v['hidden']:.2f} |"
+            )
     return "\n".join(out)
