@@ -447,3 +447,42 @@ def test_a_receiver_leaving_a_tensor_parallel_prefill_fails_it_and_the_workers_s
     late ones are dropped), counts the prefill cancelled, and the next split is exact."""
     v, m, ckpt = tp_pair
     _leave_then_split(v, m, ckpt, 1000, seed=901, then=40)
+
+
+def _e4m3_step(x: np.ndarray) -> np.ndarray:
+    """The spacing of float8 e4m3 numbers at |x| (3 mantissa bits; subnormal below 2^-6)."""
+    e = np.floor(np.log2(np.maximum(np.abs(x), 2.0**-6)))
+    return 2.0 ** (e - 3)
+
+
+def _has_fp8_cpu_kernels() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return "avx512f" in flags or "amx_tile" in flags
+
+
+def test_an_fp8_kv_cache_travels_as_its_values_in_the_decode_nodes_dtype(tiny, vllm_python,
+                                                                         tmp_path_factory):  # fmt: skip
+    """kv_cache_dtype=fp8 (e4m3) on vLLM's CPU build: the connector sends the cache's values
+    (float8 x the layer's scale) in the decode node's float32, never its bytes. Layer 0's K
+    and V come from the prompt alone (no attention has read the fp8 cache yet), so they are
+    transformers' to within one e4m3 step (vLLM's CPU kernel rounds toward zero), and not
+    exactly (the cache is fp8); deeper layers drift further, as vLLM's own attention read the
+    fp8 cache. The node and the report say the KV cache is fp8."""
+    if not _has_fp8_cpu_kernels():
+        pytest.skip("vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
+    from exo_split.report.text import prefill_text
+
+    work = tmp_path_factory.mktemp("vllm-fp8")
+    for v, m in _two_nodes(tiny, work, vllm_python, "kv_cache_dtype=fp8"):
+        ids = prompt_ids(300, seed=950)
+        got, want = asyncio.run(_pull_kv(v, ids)), _reference_kv(tiny, ids)
+        for g, w in zip(got[0], want[0], strict=True):  # layer 0's K, then V
+            steps = np.abs(g - w) / _e4m3_step(w)
+            assert steps.max() <= 1.0 + 1e-4 and np.abs(g - w).max() > 0, steps.max()
+        deep = max(float(np.abs(g - w).max()) for g, w in zip(got[-1], want[-1], strict=True))
+        assert np.isfinite(deep) and deep < max(float(np.abs(w).max()) for w in want[-1])
+        done = _split(m, v, ids)
+        assert len(done["tokens"]) == NEW
+        engine = done["report"]["timeline"]["prefill"]
+        assert prefill_text(engine) == "vllm on cpu, float32, full-precision weights, fp8 KV cache"
+        assert _vllm_stats(v)["kv_cache_dtype"] == "fp8"

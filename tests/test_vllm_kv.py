@@ -129,7 +129,44 @@ def test_layouts_other_than_the_checked_ones_are_refused_by_name():
     assert layout_of("FLASHINFER", None, (2, 40, 2, 16, 32), 2, 32) == "hnd"
     with pytest.raises(ValueError, match="'amx' kernels"):
         layout_of("CPU_ATTN", "amx", (40, 2, 32, 64), 2, 32)
-    with pytest.raises(ValueError, match="quantized KV cache"):
+    with pytest.raises(ValueError, match="as float8_e4m3fn .kv_cache_dtype auto."):
         layout_of("CPU_ATTN", "vec", (40, 2, 32, 64), 2, 32, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="kv_cache_dtype int8"):  # another quantized cache
+        layout_of("CPU_ATTN", "vec", (40, 2, 32, 64), 2, 32, "int8", "int8")
+    # an fp8 cache: the same layouts, in bytes (CPU) or float8 (CUDA)
+    assert layout_of("CPU_ATTN", "vec", (40, 2, 32, 64), 2, 32, "uint8", "fp8") == "cpu_vec"
+    assert layout_of("FLASH_ATTN", None, (2, 40, 16, 2, 32), 2, 32, "float8_e5m2",
+                     "fp8_e5m2") == "nhd"  # fmt: skip
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8_e5m2"):  # not the format it says
+        layout_of("FLASH_ATTN", None, (2, 40, 16, 2, 32), 2, 32, "float8_e4m3fn", "fp8_e5m2")
     with pytest.raises(ValueError, match="TRITON_ATTN attention keeps its KV as"):
         layout_of("TRITON_ATTN", None, (2, 40, 16, 2, 32), 2, 32)
+
+
+@pytest.mark.parametrize("layout", ["cpu_vec", "nhd"])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_cache_is_read_as_its_values_times_its_scales(layout, fmt):
+    """vLLM's fp8 KV cache keeps value / scale as float8 bytes: a gather hands on the value
+    (float8's numbers times the scale) in the engine's dtype, and a Job sends it as such."""
+    (k, v), *_ = _kv(70, 3)
+    ks, vs = 0.5, 2.0
+    qk, qv = (torch.from_numpy(x / s).to(fmt) for x, s in ((k, ks), (v, vs)))
+    blocks = [9, 2, 5]
+    paged = _paged(qk.float().numpy(), qv.float().numpy(), layout, blocks).to(fmt)
+    raw = paged.view(torch.uint8)  # the CPU build's cache tensor: bytes
+    dq = vllm_kv.Dequant(fmt, ks, vs)
+    want_k, want_v = qk.float().numpy() * ks, qv.float().numpy() * vs
+    for a, b in ((0, 70), (20, 45)):
+        gk, gv = gather(raw, layout, blocks, BS, a, b, dequant=dq)
+        assert gk.dtype == torch.float32
+        np.testing.assert_array_equal(gk.numpy(), want_k[:, a:b])
+        np.testing.assert_array_equal(gv.numpy(), want_v[:, a:b])
+    # within the format's precision of what was stored, not its bytes read as numbers
+    tol = 2.0**-3 if fmt == torch.float8_e4m3fn else 2.0**-2
+    assert np.abs(want_k - k).max() <= tol * np.abs(k).max()
+    got = []
+    job = Job([(0, 0, 70)], got.append, "bfloat16", layout=layout, dequant={0: dq})
+    job.layer_saved(0, raw, blocks, 0, 70, BS)
+    assert job.error is None and got[0].k.dtype == np.uint16  # bfloat16's words
+    back = torch.from_numpy(got[0].v.view(np.int16)).view(torch.bfloat16).float().numpy()
+    np.testing.assert_allclose(back, want_v, rtol=1e-2)

@@ -92,6 +92,8 @@ class VllmBackend(StagedBackend):
         self.relay, self.tp = relay, tp
         self.head_ranges = even_ranges(spec.n_kv_heads, tp) if tp > 1 else ()
         self.relay_timeout_s = RELAY_TIMEOUT_S
+        cache_dtype = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
+        self.kv_cache_dtype = cache_dtype if cache_dtype in conn.FP8 else None  # its KV: fp8
 
     @property
     def quantization_tag(self) -> str | None:
@@ -213,6 +215,7 @@ class VllmBackend(StagedBackend):
         relay = {"relay_bytes": self.relay.received_bytes} if self.relay is not None else {}
         return {"name": "vllm", "version": vllm.__version__, "max_num_batched_tokens": self.budget,
                 "quantization": self.engine_quantization, "tensor_parallel_size": self.tp,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 **self.counts, **relay}  # fmt: skip
 
     def _logits(self, out) -> np.ndarray:

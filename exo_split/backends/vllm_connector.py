@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from exo_split.backends.vllm_kv import JOB_KEY, Job, layout_of, lookup
+from exo_split.backends.vllm_kv import FP8, JOB_KEY, Dequant, Job, layout_of, lookup
 from exo_split.backends.vllm_relay import PLAN_KEY, RELAY_KEY, WorkerLink
 
 _LAYER = re.compile(r"\.(\d+)\.")  # model.layers.{i}.self_attn.attn
@@ -59,6 +59,8 @@ class ExoSplitConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._requests: dict[str, tuple[str, list[int]]] = {}  # req id -> (job id, blocks)
         self._layouts: dict[int, str] = {}
+        self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self._dequant: dict[int, Dequant] = {}  # an fp8 cache's, per layer
         model = vllm_config.model_config
         self._heads = model.get_num_kv_heads(vllm_config.parallel_config)  # this worker's
         self._head_dim = model.get_head_size()
@@ -138,6 +140,8 @@ class ExoSplitConnector(KVConnectorBase_V1):
                     job.layout = self._layout(layer, layer_name, kv_layer)
                 except ValueError as exc:
                     job.error = exc
+            if job.layout and self._cache_dtype in FP8:
+                job.dequant[layer] = self._fp8(layer, layer_name)
             if job.layout:
                 job.layer_saved(layer, kv_layer, step.blocks, step.start, step.end,
                                 self._block_size)  # fmt: skip
@@ -159,6 +163,17 @@ class ExoSplitConnector(KVConnectorBase_V1):
             self._jobs[job_id] = job
         return job
 
+    def _fp8(self, layer: int, layer_name: str) -> Dequant:
+        """The layer's fp8 format and scales (the attention layer's, as its kernels use them)."""
+        if layer not in self._dequant:
+            from vllm.forward_context import get_forward_context
+
+            attn = get_forward_context().no_compile_layers.get(layer_name)
+            self._dequant[layer] = Dequant(FP8[self._cache_dtype],
+                                           float(getattr(attn, "_k_scale_float", 1.0)),
+                                           float(getattr(attn, "_v_scale_float", 1.0)))  # fmt: skip
+        return self._dequant[layer]
+
     def _layout(self, layer: int, layer_name: str, kv_layer) -> str:
         if layer not in self._layouts:
             from vllm.forward_context import get_forward_context
@@ -169,7 +184,8 @@ class ExoSplitConnector(KVConnectorBase_V1):
             self._layouts[layer] = layout_of(name, getattr(attn, "isa", None),
                                              tuple(kv_layer.shape), self._heads,
                                              self._head_dim,
-                                             str(kv_layer.dtype).removeprefix("torch."))  # fmt: skip
+                                             str(kv_layer.dtype).removeprefix("torch."),
+                                             self._cache_dtype)  # fmt: skip
         return self._layouts[layer]
 
     def wait_for_save(self) -> None:

@@ -16,6 +16,10 @@ Layouts (`layout_of`): the CPU attention backend ("vec" ISA) keeps a layer as
 [head_dim, block_size] in the first half, V as [block_size, head_dim] in the second;
 FlashAttention/FlashInfer on CUDA as [2, blocks, block_size, kv_heads, head_dim] (NHD) or
 [2, blocks, kv_heads, block_size, head_dim] (HND). Others are refused.
+
+An fp8 KV cache (vLLM's kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2) keeps the same layouts in
+bytes: a gather reads them as that float8 format, times the layer's scale (vLLM stores
+value / scale), in the engine's dtype: the decode node gets plain KV (`Dequant`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from exo_split.kv import LayerKV, bf16_words_from_float32
 
 JOB_KEY = "exo_split_job"
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _JOBS: dict[str, Job] = {}
 _LOCK = threading.Lock()
 
@@ -56,6 +61,7 @@ class Job:
     blocks: list[int] = field(default_factory=list)
     block_size: int = 0
     saves: list[tuple[int, int, int]] = field(default_factory=list)  # (layer, a, b) per hook
+    dequant: dict[int, Dequant] = field(default_factory=dict)  # per layer, an fp8 cache's
 
     @property
     def done(self) -> bool:
@@ -81,13 +87,23 @@ class Job:
             if self.ready.get(layer, 0) < start + n:
                 return
             k, v = gather(self.tensors[layer], self.layout, self.blocks, self.block_size,
-                          start, start + n, host=self.stage is None)  # fmt: skip
+                          start, start + n, host=self.stage is None,
+                          dequant=self.dequant.get(layer), dtype=self.dtype)  # fmt: skip
             if self.stage is not None:
                 self.stage(layer, start, k, v)
             else:
                 self.on_piece(LayerKV(layer, start, _stored(k, self.dtype),
                                       _stored(v, self.dtype), self.dtype))  # fmt: skip
             self.next_piece += 1
+
+
+@dataclass(frozen=True)
+class Dequant:
+    """How one layer's fp8 KV cache reads back: its float8 format and K's and V's scales."""
+
+    fmt: torch.dtype
+    k_scale: float
+    v_scale: float
 
 
 class Cancelled(Exception):
@@ -110,14 +126,15 @@ def lookup(job_id: str | None) -> Job | None:
 
 
 def layout_of(backend_name: str, isa: str | None, shape: tuple[int, ...], n_kv_heads: int,
-              head_dim: int, dtype: str = "float32") -> str:  # fmt: skip
+              head_dim: int, dtype: str = "float32", cache_dtype: str = "auto") -> str:  # fmt: skip
     """The paged layout of one attention layer's KV tensor, from vLLM's attention backend
-    (its name), the CPU backend's ISA, the tensor's shape and dtype; ValueError if not one we
-    read."""
-    if dtype not in ("float32", "float16", "bfloat16"):
+    (its name), the CPU backend's ISA, the tensor's shape and dtype, and vLLM's
+    kv_cache_dtype (fp8 ones read as bytes); ValueError if not one we read."""
+    fp8 = cache_dtype in FP8 and dtype in ("uint8", str(FP8[cache_dtype]).removeprefix("torch."))
+    if dtype not in ("float32", "float16", "bfloat16") and not fp8:
         raise ValueError(
-            f"vLLM keeps its KV cache as {dtype} (a quantized KV cache): exo-split does not "
-            "convert it yet; start vLLM without kv_cache_dtype"
+            f"vLLM keeps its KV cache as {dtype} (kv_cache_dtype {cache_dtype}): exo-split "
+            f"reads float32, float16, bfloat16 and fp8 ({', '.join(FP8)}) caches only"
         )
     if backend_name == "CPU_ATTN":
         if isa != "vec":
@@ -139,10 +156,12 @@ def layout_of(backend_name: str, isa: str | None, shape: tuple[int, ...], n_kv_h
 
 
 def gather(tensor: torch.Tensor, layout: str, blocks: list[int], block_size: int, a: int,
-           b: int, *, host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """K and V of positions [a, b) as [kv_heads, b - a, head_dim] tensors in the cache's dtype,
-    copied out of the paged cache (the blocks holding them only): on the host, or (`host`
-    False) still on the cache's device, contiguous, queued on the current stream."""
+           b: int, *, host: bool = True, dequant: Dequant | None = None,
+           dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """K and V of positions [a, b) as [kv_heads, b - a, head_dim] tensors in the cache's dtype
+    (an fp8 cache, `dequant`: its values times its scales, in `dtype`), copied out of the
+    paged cache (the blocks holding them only): on the host, or (`host` False) still on the
+    cache's device, contiguous, queued on the current stream."""
     first, last = a // block_size, (b - 1) // block_size + 1
     ids = torch.tensor(blocks[first:last], dtype=torch.long, device=tensor.device)
     off = a - first * block_size
@@ -162,8 +181,11 @@ def gather(tensor: torch.Tensor, layout: str, blocks: list[int], block_size: int
         raise ValueError(f"unknown layout {layout!r}")
     # [nb, H, bs, D] -> [H, nb * bs, D], then the positions asked for
     out = []
-    for x in (k, v):
+    scales = (dequant.k_scale, dequant.v_scale) if dequant is not None else (1.0, 1.0)
+    for x, scale in zip((k, v), scales, strict=True):
         x = x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])[:, off : off + b - a]
+        if dequant is not None:  # bytes -> float8 -> float32 x scale -> the engine's dtype
+            x = (x.view(dequant.fmt).to(torch.float32) * scale).to(getattr(torch, dtype))
         x = x.contiguous()  # queued after this layer's kernels (the same stream)
         out.append(x.cpu() if host else x)
     return out[0], out[1]

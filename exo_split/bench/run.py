@@ -91,14 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "loopback (needs .venv-vllm: make install-vllm; lengths default 1000,3000)",
     )
     p.add_argument("--vllm-budget", type=int, default=2048, help="vLLM's max_num_batched_tokens")
-    p.add_argument(
-        "--vllm-tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with --vllm: also a vllm node with tensor_parallel_size=N (its workers' heads "
-        "through the relay), beside the others",
-    )
+    p.add_argument("--vllm-tp", type=int, default=1, metavar="N",
+                   help="with --vllm: also a vllm node with tensor_parallel_size=N")  # fmt: skip
     p.add_argument(
         "--multiturn",
         action="store_true",

@@ -149,7 +149,8 @@ async def prefill(request: web.Request) -> web.StreamResponse:
             "engine": {"backend": state.backend.name, "device": state.backend.device,
                        "dtype": state.backend.dtype,
                        "quantization": getattr(state.backend, "engine_quantization", None),
-                       "head_ranges": len(getattr(state.backend, "head_ranges", ())) or 1},
+                       "head_ranges": len(getattr(state.backend, "head_ranges", ())) or 1,
+                       "kv_cache": getattr(state.backend, "kv_cache_dtype", None)},
         }  # fmt: skip
         progress = Progress()
         state.count("prefills")

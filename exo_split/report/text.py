@@ -133,13 +133,14 @@ def decode_text(decode: Mapping[str, Any]) -> str:
 
 def prefill_text(prefill: Mapping[str, Any]) -> str:
     """One line: what prefilled, as the prefill node's HELLO said (backend, device, dtype,
-    the weights' quantization, the head ranges its frames carried)."""
+    the weights' quantization, a quantized KV cache, the head ranges its frames carried)."""
     q = prefill.get("quantization")
     weights = f"{q} weights" if q else "full-precision weights"
+    cache = f", {c} KV cache" if (c := prefill.get("kv_cache")) else ""
     ranges = prefill.get("head_ranges") or 1
     heads = f", KV heads in {ranges} ranges (tensor-parallel)" if ranges > 1 else ""
     return (f"{prefill.get('backend')} on {prefill.get('device')}, {prefill.get('dtype')}, "
-            f"{weights}{heads}")  # fmt: skip
+            f"{weights}{cache}{heads}")  # fmt: skip
 
 
 def prefix_text(prefix: Mapping[str, Any], kv_bytes: int) -> str:
