@@ -70,7 +70,7 @@ test: install $(if $(filter 1,$(BUILD_VLLM)),install-vllm)
 		"*** WARNING: chromium is not installed: the HTML report's 2 screenshot tests ***" \
 		"*** (the report's acceptance check) will be SKIPPED. Install the 'chromium' package. ***"
 	EXO_SPLIT_REQUIRE_CHROMIUM=$(REQUIRE_CHROMIUM) EXO_SPLIT_REQUIRE_VLLM=$(BUILD_VLLM) \
-		$(BIN)/python -m pytest -q -rs
+		$(BIN)/python -m pytest -q -rs --durations=30
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -11,7 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from exo_split.backends.vllm_relay import Relay, RelayError, RelayJob, WorkerLink
+from exo_split.backends.vllm_relay import Relay, RelayError, RelayJob, WorkerLink, parallel_size
+from exo_split.errors import ExoSplitError
 from exo_split.kv import LayerKV, bf16_words_from_float32
 
 PIECES = [(layer, start, n) for start, n in ((0, 5), (5, 3)) for layer in range(3)]
@@ -155,3 +156,14 @@ def test_a_link_that_cannot_reach_the_relay_says_so_and_raises_nothing(tmp_path)
     link.send("j", _part(0, 2, *PIECES[0]))  # the forward's thread: never raises
     link._thread.join(30)
     assert link.broken is not None
+
+
+def test_a_tensor_parallel_size_must_give_each_worker_its_own_heads(llama):
+    """The node refuses, before vLLM starts, workers that would share (replicate) KV heads."""
+    from exo_split.spec import load_spec
+
+    spec = load_spec(llama)  # 2 KV heads
+    assert parallel_size(spec, {}) == 1 and parallel_size(spec, {"tensor_parallel_size": 2}) == 2
+    with pytest.raises(ExoSplitError, match="tensor_parallel_size 3 does not divide") as info:
+        parallel_size(spec, {"tensor_parallel_size": 3})
+    assert info.value.hint == "a tensor_parallel_size that divides the KV heads"

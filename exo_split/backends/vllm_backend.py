@@ -331,7 +331,7 @@ def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None 
     dev = device or current_platform.device_type
     if dev not in ("cpu", "cuda") and not dev.startswith("cuda"):
         raise ExoSplitError(f"the vllm backend runs on cpu or cuda, not {dev!r}")
-    tp = parallel_size(spec)
+    tp = relays.parallel_size(spec, json.loads(os.environ.get(ARGS_ENV) or "{}"))
     relay = relays.Relay() if tp > 1 else None
     args = engine_args(model_dir, dtype, dev, relay.path if relay else None)
     try:
@@ -346,18 +346,3 @@ def load(model_dir: str | Path, *, dtype: str | None = None, device: str | None 
     log.info("vllm backend: %s on %s in %s, chunks of %d", spec.name, dev, dtype, budget)
     return VllmBackend(llm, spec, dtype, "cuda" if dev.startswith("cuda") else dev, budget, quant,
                        relay, tp)  # fmt: skip
-
-
-def parallel_size(spec) -> int:
-    """EXO_SPLIT_VLLM_ARGS' tensor_parallel_size, checked against the model's KV heads: each
-    worker must hold its own range (vLLM replicates heads across workers when there are
-    fewer heads than workers, which the wire's ranges do not describe)."""
-    extra = json.loads(os.environ.get(ARGS_ENV) or "{}")
-    tp = int(extra.get("tensor_parallel_size", 1)) if isinstance(extra, dict) else 1
-    if tp > 1 and spec.n_kv_heads % tp:
-        raise ExoSplitError(
-            f"tensor_parallel_size {tp} does not divide {spec.name}'s {spec.n_kv_heads} KV heads: "
-            "exo-split sends each worker's own range of heads",
-            hint="a tensor_parallel_size that divides the KV heads",
-        )
-    return tp

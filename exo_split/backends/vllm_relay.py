@@ -46,6 +46,20 @@ _LEN = struct.Struct("<I")
 MAX_HEADER = 1 << 16
 
 
+def parallel_size(spec, engine_args: dict) -> int:
+    """The engine arguments' tensor_parallel_size (1 without), checked against the model's KV
+    heads: each worker must hold a range of its own (vLLM replicates heads across workers
+    when there are fewer heads than workers, which the wire's ranges do not describe)."""
+    tp = int(engine_args.get("tensor_parallel_size", 1)) if isinstance(engine_args, dict) else 1
+    if tp > 1 and spec.n_kv_heads % tp:
+        raise ExoSplitError(
+            f"tensor_parallel_size {tp} does not divide {spec.name}'s {spec.n_kv_heads} KV heads: "
+            "exo-split sends each worker's own range of heads",
+            hint="a tensor_parallel_size that divides the KV heads",
+        )
+    return max(tp, 1)
+
+
 class RelayError(ExoSplitError):
     """A tensor-parallel worker could not hand its KV heads to the node."""
 
