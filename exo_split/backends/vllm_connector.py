@@ -58,6 +58,7 @@ class ExoSplitConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._requests: dict[str, tuple[str, list[int]]] = {}  # req id -> (job id, blocks)
+        self._ended: list[str] = []  # jobs whose requests ended since the last metadata
         self._layouts: dict[int, str] = {}
         self._cache_dtype = str(vllm_config.cache_config.cache_dtype)
         self._dequant: dict[int, Dequant] = {}  # an fp8 cache's, per layer
@@ -102,14 +103,15 @@ class ExoSplitConnector(KVConnectorBase_V1):
             start = cached.num_computed_tokens[i]
             meta.steps.append(_Step(req_id, job_id, list(blocks), start,
                                     start + scheduled[req_id]))  # fmt: skip
-        for req_id in scheduler_output.finished_req_ids:
-            job = self._requests.pop(req_id, None)
-            if job is not None:
-                meta.finished.append(job[0])
+        meta.finished, self._ended = self._ended, []
         return meta
 
     def request_finished(self, request, block_ids):
-        self._requests.pop(request.request_id, None)
+        """vLLM calls this before the request's id is in a step's finished_req_ids: the job
+        is ended here, and the workers hear of it in the next step's metadata."""
+        job = self._requests.pop(request.request_id, None)
+        if job is not None:
+            self._ended.append(job[0])
         return False, None  # every piece was copied out during the forward
 
     # Worker side --------------------------------------------------------------------------
