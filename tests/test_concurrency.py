@@ -143,6 +143,33 @@ def test_8_clients_at_once_through_the_openai_client_equal_their_solo_runs(llama
     assert batch["peak_rows"] >= 4 and batch["rows"] == 0 and batch["extra_kv_bytes"] == 0
 
 
+def test_a_burst_of_more_clients_than_8_is_admitted_by_bytes_not_refused_by_count(llama):
+    """Twelve clients at once (more than EXO's batch of 8), none retrying: a node with its
+    default limits admits them all (its KV budget holds them), each answer whole; the batch
+    held more than 8 of them at once. Admission refuses by KV bytes (tests/test_batch.py,
+    tests/test_reliability_limits.py), the count is only a guard on the queue's length."""
+    from exo_split.transport.limits import Limits
+
+    async def ask(c, i):
+        prompt = [3 + (i * 41 + k * 7) % 500 for k in range(12)]
+        r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=200,
+                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        return r.usage.completion_tokens
+
+    async def go():
+        async with tiny_decode_node(llama) as url, openai.AsyncOpenAI(
+            base_url=url, api_key=TOKEN, max_retries=0
+        ) as c:  # fmt: skip
+            done = await asyncio.gather(*[ask(c, i) for i in range(12)])
+            code, body, _ = await request("GET", f"{url}/info", token=TOKEN)
+            return done, json.loads(body)["stats"]["batch"]
+
+    assert Limits().max_concurrent >= 12
+    done, batch = asyncio.run(go())
+    assert done == [200] * 12
+    assert batch["peak_rows"] > 8 and batch["rows"] == 0
+
+
 def test_n_choices_share_one_prompt_each_equal_to_a_solo_run_with_its_seed(llama):
     """n = 3 (streaming and not): choice i is the solo answer with the seed plus i, the
     usage counts every choice's tokens once, the prompt once; n = 9 is refused."""

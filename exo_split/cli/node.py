@@ -101,9 +101,16 @@ def add_node(subparsers) -> None:
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
     """Limits and timeouts of a node (docs/reliability.md has what each one bounds)."""
+    from exo_split.transport.limits import Limits
+
     g = p.add_argument_group("limits and timeouts (docs/reliability.md)")
     g.add_argument("--max-prompt-tokens", type=int, default=32_768)
-    g.add_argument("--max-concurrent", type=int, default=8, help="requests of each kind at once")
+    g.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=Limits.max_concurrent,
+        help="requests of each kind in progress at once",
+    )
     g.add_argument(
         "--max-kv-bytes",
         type=size,

@@ -38,7 +38,9 @@ class Limits:
     """Per-node limits; each has a safe default (docs/reliability.md)."""
 
     max_prompt_tokens: int = 32_768
-    max_concurrent: int = 8  # requests of each kind in progress (running or queued)
+    # requests of each kind in progress (running or queued): a guard on the queue's length;
+    # memory is bounded by max_kv_bytes (mlx_lm.server batches 32 sequences)
+    max_concurrent: int = 32
     max_kv_bytes: int = 8 * 2**30  # KV held for requests in progress, both kinds together
     retry_after_s: int = 1
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # the largest LAYER frame sent or accepted
