@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from exo_split import PROTOCOL_VERSION
+from exo_split.transport.accept import Acceptor, stranger_caps
 from exo_split.transport.limits import Guard
 from exo_split.transport.tls import DATA_TLS_MAGIC, TLS_RECORD, Identity
 from exo_split.transport.wire import Buffer, WireDtype, layer_frame
@@ -330,13 +331,14 @@ class Listener:
                  guard: Guard | None = None, identity: Identity | None = None):  # fmt: skip
         # `sniff_timeout`: how long a connection may take to send a whole HTTP request's
         # head or its ticket; `keepalive`: how long an idle HTTP connection stays open.
-        self.guard = guard or Guard(sniff_timeout)
+        per_address, total = stranger_caps()
+        self.guard = guard or Guard(sniff_timeout, per_address=per_address, total=total)
         app.middlewares.append(self._identify)  # a whole request arrived: not a stranger
         self.runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout,
                                     keepalive_timeout=keepalive)  # fmt: skip
         self.tickets = tickets
         self.identity = identity  # the node's TLS certificate; None: cleartext only
-        self.server: asyncio.Server | None = None
+        self.server: Acceptor | None = None
         self._sniffers: weakref.WeakSet[Sniffer] = weakref.WeakSet()
 
     @web.middleware
@@ -355,11 +357,8 @@ class Listener:
         await self.runner.setup()
         http = self.runner.server
         assert http is not None
-        self.server = await asyncio.get_running_loop().create_server(
-            lambda: self._sniffer(http), host, port,
-            reuse_address=True, backlog=128,
-        )  # fmt: skip
-        return self.server.sockets[0].getsockname()[1]
+        self.server = Acceptor(lambda: self._sniffer(http))
+        return await self.server.start(host, port)
 
     async def stop(self) -> None:
         if self.server is not None:
