@@ -66,7 +66,8 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "exo_split", "demo", "--model", "tiny", "--json",
          "--prompt-tokens", "300", "--max-tokens", "8", "--report-html", str(html)],
-        capture_output=True, text=True, env=_env(cache_dir), timeout=240, cwd=tmp_path,
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env={**_env(cache_dir), "TMPDIR": str(tmp_path)},  # its work directory: in here
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,8 +79,10 @@ def test_demo_json_end_to_end(cache_dir, tmp_path):
     assert rep["ttft_source"] == "client"
     assert "<svg" in html.read_text()
     assert "decode node ready" in proc.stderr
-    # No node agent outlives the demo (their command lines name the demo's work directory).
-    leftover = subprocess.run(["pgrep", "-f", "exo-split-demo-"], capture_output=True, text=True)
+    # No node agent outlives the demo (their command lines name the demo's work directory,
+    # this test's own: another exo-split demo or benchmark on the machine is not its).
+    work = str(tmp_path / "exo-split-demo-")
+    leftover = subprocess.run(["pgrep", "-f", work], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout
     # The demo's tokens are the model's: transformers on the same weights and prompt.
     from exo_split.models.tiny import default_model_dir
