@@ -353,3 +353,55 @@ def test_a_joiner_waiting_for_room_that_is_cancelled_leaves_without_waiting_for_
     assert len(a["tokens"]) == 150
     after = co.batch.batcher.describe()
     assert after["rows"] == 0 and after["joining"] == 0
+
+
+def test_a_receiving_cache_is_allocated_between_the_batchs_steps(coordinator, backend, compute,
+                                                                  monkeypatch):  # fmt: skip
+    """A new cache for a prompt to be received (node/remote.py's _new_cache): on an idle node
+    in one job; while a row decodes, a layer per job (PART_BYTES made tiny) with at least one
+    of the batch's steps between any two, so no row waits for the whole allocation. Either way
+    it is the cache new_cache makes."""
+    from exo_split.node import remote
+
+    co = coordinator
+    monkeypatch.setattr(remote, "PART_BYTES", 1)
+    parts, at = backend.new_cache_parts, []
+
+    def counted(capacity, **kw):  # each part notes the batch's step count as it runs
+        cache, jobs = parts(capacity, **kw)
+        return cache, [lambda j=j: (at.append(co.batch.batcher.steps), j()) for j in jobs]
+
+    monkeypatch.setattr(backend, "new_cache_parts", counted)
+    run, jobs = co._run, []
+
+    async def counted_run(fn, *args, **kw):  # the compute jobs the coordinator submits
+        jobs.append(fn)
+        return await run(fn, *args, **kw)
+
+    monkeypatch.setattr(co, "_run", counted_run)
+    log: list[tuple[str, str]] = []
+
+    async def go():
+        idle = await co._new_cache(300)
+        assert len(jobs) == 1  # nobody to wait: one job
+        at.clear()
+        a = asyncio.ensure_future(_gen(co, dict(_body(0), max_tokens=200), log, "A"))
+        for _ in range(20_000):  # until A decodes in the batch (bounded)
+            if log.count(("A", "token")) >= 3:
+                break
+            await asyncio.sleep(0.002)
+        before = len(jobs)
+        busy = await co._new_cache(300)
+        assert len(jobs) - before == 1 + backend.spec.n_layers  # the layers' own jobs
+        return idle, busy, a.done(), await a
+
+    idle, busy, a_done, a = asyncio.run(go())
+    assert not a_done and len(a["tokens"]) == 200
+    assert len(at) == backend.spec.n_layers > 1
+    assert all(x < y for x, y in zip(at, at[1:], strict=False)), at  # a step between each two
+    ref = compute.submit(backend.new_cache, 300).result()
+
+    def shape(cache):
+        return [(c.keys.shape, c.values.shape, c.keys.dtype, c.offset) for c in cache]
+
+    assert shape(idle) == shape(busy) == shape(ref)

@@ -4,24 +4,22 @@ The config mlx-lm sees is rebuilt from our canonical ModelSpec: mlx-lm's Llama r
 the old `rope_theta` / `rope_scaling` keys, while transformers 5 writes `rope_parameters`,
 so loading config.json as is would silently run the wrong RoPE.
 
-Received KV is written into preallocated `KVCache`s (room for prompt + max_tokens, in
-mlx-lm's own step size) so the first decode steps do not reallocate. Decoding is
-mlx_decode.py's pipelined loop.
+Received KV is written into preallocated `KVCache`s (room for prompt + max_tokens, in mlx-lm's
+step size): decode steps do not reallocate. Decoding is mlx_decode.py's pipelined loop.
 
-Quantized checkpoints (mlx_lm.convert's output, mlx-community's) load as mlx-lm loads them:
-the quantization scales stay in the dtype they were saved in, and that dtype is the decode
-dtype unless one is asked for (casting bfloat16 scales to float32 would read 12.5% more
-bytes per step for the same numbers).
+Quantized checkpoints (mlx_lm.convert's, mlx-community's) load as mlx-lm loads them: the scales
+stay in their saved dtype, the decode dtype unless one is asked for (bfloat16 scales cast to
+float32 would read 12.5% more bytes per step for the same numbers).
 
 Prefill runs as mlx-lm's does: chunks of 2,048 positions (the chunk's activations bound the
-memory), logits for the last position only (a 32K prompt never holds [T, vocab] logits), and
-each layer's K/V evaluated as the layer writes them, so a stop takes effect within one layer of
-one chunk even when nothing streams.
+memory), logits for the last position only (a 32K prompt never holds [T, vocab] logits), each
+layer's K/V evaluated as the layer writes them (a stop acts within one layer of one chunk).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import logging
 import time
@@ -180,8 +178,7 @@ class MLXBackend:
         def hook(layer: int, k: mx.array, v: mx.array) -> None:
             if should_stop is not None and should_stop():
                 raise Cancelled(f"prefill cancelled at layer {layer}")
-            # MLX is lazy: evaluating here runs the work up to this layer's K/V now, so the
-            # next poll comes one layer later, not after the whole (lazy) forward.
+            # MLX is lazy: evaluate up to this layer's K/V now (the next poll: one layer on)
             mx.eval(k, v)
             at = clock()
             cache[layer].computed.append((position[0] + k.shape[2], at))
@@ -222,13 +219,12 @@ class MLXBackend:
             sizes = self.prefill_chunks(n - cached, chunk)
             for start, size in zip(_starts(cached, sizes), sizes, strict=True):
                 position[0] = start
-                # mlx-lm's own model, head included (logit scales, soft-caps): lazy, so only
-                # the last position's logits are ever computed, by the last (1-position) chunk.
+                # mlx-lm's own model, head included (logit scales, soft-caps)
                 out = self.model(ids[:, start : start + size], cache=cache)
                 if start + size < n:
                     mx.eval(evaluated(cache))
                     mx.clear_cache()  # this chunk's activations, before the next one's
-            logits = out[0, -1]  # [vocab]
+            logits = out[0, -1]  # [vocab]: lazy, so only the last position's are computed
             mx.eval(logits, evaluated(cache))
         finally:
             for c in cache:
@@ -294,11 +290,19 @@ class MLXBackend:
         """Empty layers with room for `capacity` positions. `prompt_len`: the cache will be
         filled with a prompt of that length (received or injected, not computed here), so a
         sliding layer holds only the window's last positions of it, from its floor on."""
+        cache, parts = self.new_cache_parts(capacity, prompt_len=prompt_len)
+        for part in parts:
+            part()
+        return cache
+
+    def new_cache_parts(self, capacity: int, *, prompt_len: int | None = None) -> tuple:
+        """new_cache's cache before its memory is, and the jobs that allocate it a layer each
+        (run all, in order, before using it): a node decoding others allocates a receiving
+        cache between their steps, not in one stall as long as the whole cache's pages."""
         keep = self.window_keep if prompt_len else ()
         cache = [self._layer(i, lambda i=i: StreamingKVCache(i, None, window_floor(keep, i, prompt_len or 0)))
                  for i in range(self.spec.n_layers)]  # fmt: skip
-        self._preallocate(cache, capacity)
-        return cache
+        return cache, [functools.partial(self._preallocate, [c], capacity) for c in cache]
 
     def reuse_floor(self, cache: list[KVCache]) -> int:
         """The shortest prefix of `cache` a later request may reuse: a windowed layer must

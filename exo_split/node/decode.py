@@ -287,7 +287,7 @@ class Coordinator(RemotePull):
         if len(pre) > m:
             peer, decision = await self.choose_peer(req, len(pre) - m)  # the uncached suffix
         else:  # constrained, and nothing to prefill: one token, or all but the last cached
-            cache = held if held is not None else await self._run(self.backend.new_cache, capacity)
+            cache = held if held is not None else await self._new_cache(capacity)
         first_token = _ignore if own else emit_token
         if peer is not None:
             remote = Remote()
