@@ -51,7 +51,7 @@ class RemotePull:
         """backend.new_cache on the compute thread. While others decode in the batch, in
         jobs of about PART_BYTES (whole layers; new_cache_parts) that their steps go on
         between, not in one stall as long as the whole cache's allocation (issue 19: 27 ms
-        for 32 MB here, a stall for every row of the batch; ~10x at 8B sizes)."""
+        for 53 MB here, a stall for every row of the batch; ~10x at 8B sizes)."""
         parts = getattr(self.backend, "new_cache_parts", None)
         batch = getattr(self, "batch", None)
         if parts is None or batch is None or not batch.batcher.busy:
