@@ -118,9 +118,12 @@ class Acceptor:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            except ConnectionAbortedError:  # reset while it waited in the queue: the next
+                continue
             except OSError as exc:
-                if exc.errno not in RESOURCE_ERRORS:
-                    raise
+                if exc.errno not in RESOURCE_ERRORS:  # the reader fires again while readable
+                    log.warning("accept failed: %s", exc)
+                    return
                 self.refused += 1
                 log.warning("cannot accept a connection (%s): trying again in %.0f s",
                             exc.strerror, RETRY_S)  # fmt: skip
@@ -137,6 +140,8 @@ class Acceptor:
     def _made(self, task: asyncio.Task, conn: socket.socket) -> None:
         self.pending -= 1
         if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.warning("an accepted connection got no protocol: %s", task.exception())
             with contextlib.suppress(OSError):
                 conn.close()
         if self._retry is None and len(self._reading) < len(self.sockets):
