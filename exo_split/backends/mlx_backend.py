@@ -290,9 +290,8 @@ class MLXBackend:
         """Empty layers with room for `capacity` positions. `prompt_len`: the cache will be
         filled with a prompt of that length (received or injected, not computed here), so a
         sliding layer holds only the window's last positions of it, from its floor on."""
-        cache, parts = self.new_cache_parts(capacity, prompt_len=prompt_len)
-        for part in parts:
-            part()
+        cache, _ = self.new_cache_parts(capacity, prompt_len=prompt_len)
+        self._preallocate(cache, capacity)  # every layer in one evaluation
         return cache
 
     def new_cache_parts(self, capacity: int, *, prompt_len: int | None = None) -> tuple:
