@@ -405,3 +405,79 @@ def test_a_receiving_cache_is_allocated_between_the_batchs_steps(coordinator, ba
         return [(c.keys.shape, c.values.shape, c.keys.dtype, c.offset) for c in cache]
 
     assert shape(idle) == shape(busy) == shape(ref)
+
+
+def test_a_joiners_batch_cache_is_staged_while_it_prefills_and_the_join_writes_into_it(
+        coordinator, monkeypatch):  # fmt: skip
+    """B, arriving while A decodes, is expected by the batch: while B's prefill waits (held
+    here until the staging is done), the batch cache for A and B is allocated a layer after
+    each of A's steps (STAGE_BYTES made tiny); B's join writes both rows into those very
+    buffers, and both decode to their solo runs' tokens. A request expected and then gone
+    (cancelled before it joined) gets its staged bytes back to the ledger at the next step."""
+    from exo_split.backends import mlx_batch_cache
+
+    co, batcher = coordinator, coordinator.batch.batcher
+    monkeypatch.setattr(mlx_batch_cache, "STAGE_BYTES", 1)
+    n_layers = len(co.backend.new_cache(8))
+    log: list[tuple[str, str]] = []
+    long, b_body = dict(_body(0), max_tokens=200), dict(_body(2), max_tokens=40)
+    run, staged_at, steps_at = co._run, [], []
+
+    async def held_run(fn, *args, **kw):  # B's prefill waits until its batch cache is staged
+        if getattr(fn, "__name__", "") == "_prefill_slice" and log.count(("A", "token")) > 0:
+            for _ in range(20_000):  # (bounded)
+                if batcher.describe()["staged_layers"] == n_layers or log.count(("A", "done")):
+                    break
+                await asyncio.sleep(0.002)
+            staged_at.append(batcher.describe())
+            staged_at.append(batcher._staged.arrays[::2])  # each layer's keys
+        return await run(fn, *args, **kw)
+
+    async def go():
+        solo_a, solo_b = await _gen(co, long), await _gen(co, b_body)
+        a = asyncio.ensure_future(_gen(co, long, log, "A"))
+        for _ in range(20_000):  # until A decodes (bounded)
+            if log.count(("A", "token")) >= 3:
+                break
+            await asyncio.sleep(0.002)
+        monkeypatch.setattr(co, "_run", held_run)
+        b = asyncio.ensure_future(_gen(co, b_body, log, "B"))
+        for _ in range(20_000):  # until B decodes beside A (bounded)
+            if log.count(("B", "token")) >= 3 or b.done():
+                break
+            await asyncio.sleep(0.002)
+        joined = [c.keys for c in batcher.cache]
+        b = await b
+        for _ in range(20_000):  # until B's slot is compacted away (bounded)
+            d = batcher.describe()
+            if (d["rows"], d["dead_rows"]) == (1, 0) or a.done():
+                break
+            await asyncio.sleep(0.002)
+        # Expected, then gone before joining: its staged layers go back at the next steps.
+        extra = batcher.extra
+        ticket = batcher.expect(50, 20)
+        for _ in range(20_000):  # (bounded)
+            if batcher.describe()["staged_layers"] >= 1 or a.done():
+                break
+            await asyncio.sleep(0.002)
+        grown = batcher.extra
+        batcher.unexpect(ticket)
+        steps_at.append(batcher.steps)
+        for _ in range(20_000):  # (bounded)
+            if batcher.describe()["staged_layers"] == 0 or a.done():
+                break
+            await asyncio.sleep(0.002)
+        steps_at.append(batcher.steps)
+        after = (batcher.extra, a.done())
+        return solo_a, solo_b, await a, b, joined, extra, grown, after
+
+    solo_a, solo_b, a, b, joined, extra, grown, after = asyncio.run(go())
+    assert a["tokens"] == solo_a["tokens"] and b["tokens"] == solo_b["tokens"]
+    described, buffers = staged_at[0], staged_at[1]
+    assert described["staged_layers"] == n_layers and described["expected"] == 1
+    assert len(joined) == n_layers and all(k is s for k, s in zip(joined, buffers, strict=True))
+    assert joined[0].shape[0] == 2  # A's row and B's
+    assert b["report"]["timeline"]["decode"]["batch"]["max"] == 2
+    assert grown > extra and after == (extra, False)  # staged, then given back, A still going
+    assert steps_at[1] > steps_at[0]
+    assert batcher.describe()["expected"] == 0 and co.ledger.held == 0

@@ -7,14 +7,20 @@ all queued before the previous step's tokens are read back in one transfer of 8 
 row: the pipelined loop of mlx_decode.decode_steps, for B rows. A row joins at the next step
 once its KV is in, and leaves when it ends, is cancelled, or its client goes.
 
-The batch cache is mlx-lm's `BatchKVCache` layout, built here with room for every row's
-remaining steps (so it never grows, and never copies itself, while it steps): each row's KV
-right-aligned at the longest row's length, the left padding masked out. One row alone runs
-on its own cache, exactly as the solo loop does (the float32 fidelity checks hold there).
+The batch cache is mlx-lm's `BatchKVCache` layout (backends/mlx_batch_cache.py). One row
+alone runs on its own cache, exactly as the solo loop does (the float32 fidelity checks hold
+there).
 
 Memory, counted in the node's KV ledger (transport/limits.py) beside the requests' own
 reservations: the batch cache's padding beyond them (`extra`), and, while a join copies the
-batch into a new one, both copies. A join that does not fit waits for a later step. A row
+batch into a new one, both copies. A join that does not fit waits for a later step.
+
+While a request the node `expect`s is still prefilling (remote or local), the next batch
+cache (the live rows, the joining and the expected ones, with room for their steps) is
+allocated ahead, a little after each step, counted in the ledger like the batch's padding;
+the join then writes the rows into those buffers: a copy of the KV, not a fresh cache's
+first touch (mlx_batch_cache.Staged). Staged buffers that no longer fit (a row left, another
+is expected, the rows grew past them) go back, and are staged again. A row
 that leaves hands its KV back at once (a copy of its own positions, when it asked for them:
 the prefix cache), and its slot goes dead (fed a dummy token, its logits unread): its bytes
 move from the request's reservation to the batch's `extra`, and at the next step the batch
@@ -34,6 +40,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from exo_split.backends.base import Constraint, DecodeStats, take
+from exo_split.backends.mlx_batch_cache import (
+    SLOT_STEP,
+    Expected,
+    Staged,
+    batch_layer,
+    own_len,
+    position_bytes,
+    slots_for,
+)
 from exo_split.backends.mlx_decode import (
     CLEAR_EVERY,
     Picker,
@@ -45,7 +60,6 @@ from exo_split.backends.mlx_decode import (
 from exo_split.sampling import Adjust, Sampling
 
 log = logging.getLogger(__name__)
-SLOT_STEP = KVCache.step  # the batch cache's positions, rounded up to this
 
 
 @dataclass(eq=False)
@@ -65,6 +79,7 @@ class Row:
     on_done: Callable[[list | None, BaseException | None], None] | None = None
     reserved: int = 0  # the KV bytes its request holds in the ledger
     keep_cache: bool = False
+    ticket: Expected | None = None  # its `expect`, consumed as it enters the batch
     # The loop's state: the step in flight (queued, not read), the one queued after it,
     # the token that step is fed; `ended` once no more tokens will be read.
     st: _Step | None = None
@@ -86,6 +101,8 @@ class Batcher:
         self.force: Callable[[int], None] = lambda n: None  # held now, given back just after
         self._lock = threading.Lock()
         self._joining: list[Row] = []
+        self._expected: list[Expected] = []
+        self._staged: Staged | None = None  # the next batch cache, allocated ahead
         self.rows: list[Row] = []  # the batch cache's rows, in order (dead ones included)
         self.cache: list | None = None  # per layer: a lone row's own KVCache or a BatchKVCache
         self.pads: list[int] = []  # each row's left padding
@@ -111,6 +128,19 @@ class Batcher:
         with self._lock:
             self._joining.append(row)
 
+    def expect(self, positions: int, max_tokens: int) -> Expected:
+        """A request that will join once prefilled: its batch cache is staged meanwhile.
+        Its row carries the ticket (Row.ticket); `unexpect` it when the request ends."""
+        e = Expected(positions, max_tokens)
+        with self._lock:
+            self._expected.append(e)
+        return e
+
+    def unexpect(self, e: Expected) -> None:
+        with self._lock:
+            if e in self._expected:
+                self._expected.remove(e)
+
     @property
     def busy(self) -> bool:
         with self._lock:
@@ -119,8 +149,10 @@ class Batcher:
     def describe(self) -> dict:
         live = [r for r in self.rows if not r.ended]
         with self._lock:
-            waiting = len(self._joining)
+            waiting, expected = len(self._joining), len(self._expected)
+        staged = self._staged
         return {"rows": len(live), "dead_rows": len(self.rows) - len(live), "joining": waiting,
+                "expected": expected, "staged_layers": len(staged.arrays) // 2 if staged else 0,
                 "steps": self.steps, "peak_rows": self.peak, "extra_kv_bytes": self.extra}  # fmt: skip
 
     # ---- on the compute thread ----
@@ -163,6 +195,7 @@ class Batcher:
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()
+        self._stage()
 
     def _build_inputs(self) -> list[mx.array]:
         """Each row's next token: the step in flight's pick (lazy), a joiner's first token;
@@ -232,6 +265,7 @@ class Batcher:
             if (r.max_tokens <= r.start or (r.start > 0 and r.first_token in r.stop_ids)
                     or r.should_stop()):  # fmt: skip
                 r.ended = True
+                self._entered([r])
                 self._done(r, r.cache if r.keep_cache else None)
                 continue
             r.feed = mx.array([r.first_token], mx.int32)
@@ -245,12 +279,14 @@ class Batcher:
         if not self.rows and len(ready) == 1:  # alone: on its own cache, as the solo loop
             self.rows, self.cache, self.pads = ready, ready[0].cache, [0]
             ready[0].cache = None
+            self._entered(ready)
             return
         if self._compose(ready):
             return
         if not self.rows:  # no room for a batch of them: the first alone, on its own cache
             self.rows, self.cache, self.pads = ready[:1], ready[0].cache, [0]
             ready[0].cache, ready = None, ready[1:]
+            self._entered(self.rows)
         with self._lock:  # no room to copy the batch now: at a later step
             self._joining[:0] = ready
 
@@ -272,13 +308,19 @@ class Batcher:
             return True
         old_lengths = self._lengths() if self.rows else []
         lengths = [old_lengths[i] for i, r in enumerate(self.rows) if not r.ended]
-        lengths += [_own_len(r.cache) for r in joiners]
+        lengths += [own_len(r.cache) for r in joiners]
         rows = live + joiners
         longest = max(lengths)
         # Room for every row's remaining steps, plus the one computed past the last.
         need = max(longest + r.max_tokens - _next_step(r) + 1 for r in rows)
-        slots = -(-need // SLOT_STEP) * SLOT_STEP
-        per = _position_bytes(self.cache[0] if self.cache else joiners[0].cache[0],
+        slots, staged = slots_for(need), self._staged
+        fits = staged is not None and staged.rows == len(rows) and staged.slots >= need
+        if staged is not None and not (fits and staged.complete(len(self.cache or ()))):
+            self._unstage()  # (no help to this batch)
+            staged = None
+        if staged is not None:  # its bytes are in self.extra already
+            slots = staged.slots
+        per = position_bytes(self.cache[0] if self.cache else joiners[0].cache[0],
                               len(self.cache or joiners[0].cache))  # fmt: skip
         old_bytes = len(self.rows) * self._slots() * per if self.rows else 0
         new_bytes = len(rows) * slots * per
@@ -292,16 +334,65 @@ class Batcher:
         sources = [(self.cache, i, old_lengths[i]) for i, r in enumerate(self.rows)
                    if not r.ended]  # fmt: skip
         sources += [(r.cache, 0, n) for r, n in zip(joiners, lengths[len(live) :], strict=True)]
-        new = [_batch_layer([(src[layer], i, n) for src, i, n in sources], longest, slots)
-               for layer in range(len(sources[0][0]))]  # fmt: skip
+        bufs, self._staged = (staged.take_layers() if staged else None), None
+        new = []
+        for layer in range(len(sources[0][0])):
+            into = None
+            if bufs is not None:  # (only the graph holds them then: MLX writes in place)
+                into, bufs[layer] = bufs[layer], None
+            new.append(batch_layer([(src[layer], i, n) for src, i, n in sources], longest,
+                                   slots, into))  # fmt: skip
+            del into
         mx.eval([(c.keys, c.values) for c in new])
         for r in joiners:
             r.cache = None  # its own copy goes
+        self._entered(joiners)
         self.rows, self.cache = rows, new
         self.pads = [longest - n for n in lengths]
         self.give(self.extra - steady)
         self.extra = steady
         return True
+
+    def _entered(self, rows: list[Row]) -> None:
+        """These rows are in the batch (or ended before it): their tickets are used."""
+        with self._lock:
+            for r in rows:
+                if r.ticket in self._expected:
+                    self._expected.remove(r.ticket)
+
+    def _stage(self) -> None:
+        """After a step: while a request is expected, allocate the batch cache its join
+        will need (live rows, joiners and expected ones; room for their steps, plus a
+        SLOT_STEP for the rows' growth meanwhile), up to STAGE_BYTES more of it (at least one
+        buffer; none if the ledger has no room). Staged buffers that no longer fit (other
+        rows, too few slots, or more than 4 SLOT_STEPs too many) go back."""
+        with self._lock:
+            expected = list(self._expected)
+            joining = [r for r in self._joining if r.ticket not in expected]
+        live = [r for r in self.rows if not r.ended]
+        if not expected or not live:
+            self._unstage()
+            return
+        lengths = [n for n, r in zip(self._lengths(), self.rows, strict=True) if not r.ended]
+        lengths += [own_len(r.cache) for r in joining if r.cache is not None]
+        longest = max(lengths + [e.positions for e in expected])
+        need = max([longest + r.max_tokens - _next_step(r) + 1 for r in live + joining]
+                   + [longest + e.max_tokens + 1 for e in expected])  # fmt: skip
+        rows = len(live) + len(joining) + len(expected)
+        staged = self._staged
+        if staged is not None and (
+            staged.rows != rows or not need <= staged.slots <= need + 4 * SLOT_STEP
+        ):
+            self._unstage()
+        if self._staged is None:
+            self._staged = Staged(rows, slots_for(need + SLOT_STEP))
+        self.extra += self._staged.grow(self.cache, self.take)
+
+    def _unstage(self) -> None:
+        if self._staged is not None:
+            self.give(self._staged.bytes)
+            self.extra -= self._staged.bytes
+            self._staged = None
 
     def _slots(self) -> int:
         return self.cache[0].keys.shape[2]
@@ -350,7 +441,7 @@ class Batcher:
             for st in (r.st, r.next):
                 if st is not None:
                     _settle(st)
-        self.rows, self.cache, self.pads = [], None, []
+        self.rows, self.cache, self.pads, self._staged = [], None, [], None
         self.give(self.extra)
         self.extra = 0
         mx.clear_cache()  # the batch's buffers (each compose's shape its own) go back
@@ -370,7 +461,7 @@ class Batcher:
             if not r.ended or r in joining:
                 r.on_done(None, exc)
             r.ended = True
-        self.rows, self.cache, self.pads = [], None, []
+        self.rows, self.cache, self.pads, self._staged = [], None, [], None
         self.give(self.extra)
         self.extra = 0
 
@@ -379,35 +470,3 @@ def _next_step(r: Row) -> int:
     if r.st is None:
         return r.start
     return r.st.step + 1
-
-
-def _own_len(cache: list) -> int:
-    return min(c.offset for c in cache)
-
-
-def _position_bytes(layer: KVCache, n_layers: int) -> int:
-    k, v = layer.keys, layer.values
-    return n_layers * k.shape[1] * (k.shape[3] + v.shape[3]) * k.dtype.size
-
-
-def _batch_layer(parts: list[tuple], longest: int, slots: int) -> BatchKVCache:
-    """One layer's batch cache: each row's n positions right-aligned at `longest`, in
-    `slots` positions. `parts`: (a source layer, its row, n); a source is a row's own
-    KVCache (row 0) or the previous batch's BatchKVCache."""
-    first = parts[0][0]
-    _, heads, _, dim = first.keys.shape
-    shape = (len(parts), heads, slots, dim)
-    keys = mx.zeros(shape, first.keys.dtype)
-    values = mx.zeros((*shape[:3], first.values.shape[3]), first.values.dtype)  # MLA: narrower
-    pads = []
-    for row, (src, i, n) in enumerate(parts):
-        end = src._idx if isinstance(src, BatchKVCache) else src.offset
-        a = longest - n
-        keys[row : row + 1, :, a:longest] = src.keys[i : i + 1, :, end - n : end]
-        values[row : row + 1, :, a:longest] = src.values[i : i + 1, :, end - n : end]
-        pads.append(a)
-    cache = BatchKVCache(pads)
-    cache.keys, cache.values = keys, values
-    cache.offset = cache.offset + longest
-    cache._idx = longest
-    return cache

@@ -34,6 +34,7 @@ class Choice:
     tokens: list[int] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     ended: bool = False  # `until` ended it
+    ticket: object = None  # its place in the decode batch, expected (Batcher.expect)
 
 
 @dataclass
@@ -61,3 +62,11 @@ async def all_of(runs: list) -> list:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def token_event(token: int, stream: TextStream, lps: list | None, i: int) -> dict:
+    """Token i's event for its choice's stream (with its log-probabilities, if asked)."""
+    event = {"type": "token", "id": token, "text": stream.push(token)}
+    if lps is not None and i < len(lps):  # (the loop appended it before yielding)
+        event["logprob"], event["top_logprobs"] = lps[i]
+    return event

@@ -38,7 +38,7 @@ from exo_split.errors import (
     ProtocolError,
 )
 from exo_split.layers import recurrent_layers
-from exo_split.node.choices import Choice, Emit, EmitMany, Other, Shared, all_of
+from exo_split.node.choices import Choice, Emit, EmitMany, Other, Shared, all_of, token_event
 from exo_split.node.grammar import BadGrammar, GrammarConstraint, Grammars
 from exo_split.node.prefill import forget_frames, wait_through_cancel
 from exo_split.node.prefix import Checkout, PrefixCache, prefix_report
@@ -243,6 +243,9 @@ class Coordinator(RemotePull):
         finally:
             if local_kv[0] and self.ledger is not None:
                 self.ledger.give(local_kv[0])
+            for c in choices:
+                if c.ticket is not None:
+                    self.batch.batcher.unexpect(c.ticket)
 
     def _choice(self, req, emit, emit_many, until, constraint) -> Choice:
         lps = [] if req.logprobs is not None else None  # each token's, from the decode loop
@@ -289,6 +292,9 @@ class Coordinator(RemotePull):
         else:  # constrained, and nothing to prefill: one token, or all but the last cached
             cache = held if held is not None else await self._new_cache(capacity)
         first_token = _ignore if own else emit_token
+        if self.batch is not None and self.batch.batcher.busy:  # its batch cache, meanwhile
+            for c in choices:
+                c.ticket = self.batch.batcher.expect(len(ids), req.max_tokens)
         if peer is not None:
             remote = Remote()
             try:
@@ -412,13 +418,13 @@ class Coordinator(RemotePull):
             for token, at in batch:
                 c.tokens.append(token)
                 c.times.append(at)
-                events.append(self._token_event(token, c.stream, c.lps, len(c.tokens) - 1))
+                events.append(token_event(token, c.stream, c.lps, len(c.tokens) - 1))
             await c.emit_many(events)
             return True
         for token, at in batch:
             c.tokens.append(token)
             c.times.append(at)
-            await c.emit(self._token_event(token, c.stream, c.lps, len(c.tokens) - 1))
+            await c.emit(token_event(token, c.stream, c.lps, len(c.tokens) - 1))
             if c.until is not None and c.until():
                 return False
         return True
@@ -444,7 +450,7 @@ class Coordinator(RemotePull):
                 cache, first[0], start=first[1], max_tokens=req.max_tokens,
                 sampling=req.sampling, stop_ids=self._stop_ids(req), stats=stats,
                 constraint=constraint, adjust=adjust, reserved=need, keep_cache=keep,
-                should_stop=stop.is_set, **kw,
+                should_stop=stop.is_set, ticket=c.ticket, **kw,
             )  # fmt: skip
             del cache
             kept: list = []
@@ -477,12 +483,6 @@ class Coordinator(RemotePull):
 
     def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
         return frozenset() if req.ignore_eos else self.codec.eos_ids
-
-    def _token_event(self, token: int, stream: TextStream, lps: list | None, i: int) -> dict:
-        event = {"type": "token", "id": token, "text": stream.push(token)}
-        if lps is not None and i < len(lps):  # (the loop appended it before yielding)
-            event["logprob"], event["top_logprobs"] = lps[i]
-        return event
 
 
 # Text work of every request (templates, tokenizers), one at a time, off the event loop.
