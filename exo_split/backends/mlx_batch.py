@@ -314,9 +314,8 @@ class Batcher:
         # Room for every row's remaining steps, plus the one computed past the last.
         need = max(longest + r.max_tokens - _next_step(r) + 1 for r in rows)
         slots, staged = slots_for(need), self._staged
-        fits = staged is not None and staged.rows == len(rows) and staged.slots >= need
-        if staged is not None and not (fits and staged.complete(len(self.cache or ()))):
-            self._unstage()  # (no help to this batch)
+        if staged is not None and not (staged.rows == len(rows) and staged.slots >= need):
+            self._unstage()  # (no help to this batch; one that is only begun still is)
             staged = None
         if staged is not None:  # its bytes are in self.extra already
             slots = staged.slots
@@ -334,9 +333,10 @@ class Batcher:
         sources = [(self.cache, i, old_lengths[i]) for i, r in enumerate(self.rows)
                    if not r.ended]  # fmt: skip
         sources += [(r.cache, 0, n) for r, n in zip(joiners, lengths[len(live) :], strict=True)]
-        bufs, self._staged = (staged.take_layers() if staged else None), None
+        n_layers = len(sources[0][0])
+        bufs, self._staged = (staged.take_layers(n_layers) if staged else None), None
         new = []
-        for layer in range(len(sources[0][0])):
+        for layer in range(n_layers):
             into = None
             if bufs is not None:  # (only the graph holds them then: MLX writes in place)
                 into, bufs[layer] = bufs[layer], None

@@ -12,7 +12,8 @@ for a 4K-token joiner beside one row of the demo model on this CPU, a stall for 
 So while a request the node expects (`Expected`) is still prefilling, the batch's next cache
 is allocated ahead (`Staged`: zeros, a buffer or a few after each step, `STAGE_BYTES`), and
 the join writes the rows into those very buffers (MLX updates an array in place when nothing
-else holds it): a copy of the KV only, 5-10 ms there.
+else holds it): a copy of the KV only, 5-10 ms there. A join that comes before the staging is
+done uses what is staged and allocates the rest.
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ class Staged:
             done += buf.nbytes
         return done
 
-    def take_layers(self) -> list:
+    def take_layers(self, n_layers: int) -> list:
         """Per layer (keys, values), handed over: this holds none of them after (so MLX may
-        write into them in place)."""
+        write into them in place). Not staged yet: None (a join that comes before the
+        staging is done allocates the rest itself)."""
         arrays, self.arrays = self.arrays, []
-        return [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
+        arrays += [None] * (2 * n_layers - len(arrays))
+        return [(arrays[i], arrays[i + 1]) for i in range(0, 2 * n_layers, 2)]
 
 
 def slots_for(need: int) -> int:
@@ -91,16 +94,16 @@ def position_bytes(layer: KVCache, n_layers: int) -> int:
 def batch_layer(parts: list[tuple], longest: int, slots: int,
                 into: tuple | None = None) -> BatchKVCache:  # fmt: skip
     """One layer's batch cache: each row's n positions right-aligned at `longest`, in
-    `slots` positions (`into`: its (keys, values) zeros, staged). `parts`: (a source layer,
+    `slots` positions (`into`: its (keys, values) zeros, staged, or None). `parts`: (a source layer,
     its row, n); a source is a row's own KVCache (row 0) or the previous batch's
     BatchKVCache."""
     first = parts[0][0]
     _, heads, _, dim = first.keys.shape
     shape = (len(parts), heads, slots, dim)
-    if into is not None:
-        keys, values = into
-    else:
+    keys, values = into or (None, None)
+    if keys is None:
         keys = mx.zeros(shape, first.keys.dtype)
+    if values is None:
         values = mx.zeros((*shape[:3], first.values.shape[3]), first.values.dtype)  # MLA
     pads = []
     for row, (src, i, n) in enumerate(parts):
