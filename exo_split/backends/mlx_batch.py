@@ -150,10 +150,10 @@ class Batcher:
         live = [r for r in self.rows if not r.ended]
         with self._lock:
             waiting, expected = len(self._joining), len(self._expected)
-        staged = self._staged
+        staged = len(self._staged.arrays) // 2 if self._staged else 0  # (whole layers)
         return {"rows": len(live), "dead_rows": len(self.rows) - len(live), "joining": waiting,
-                "expected": expected, "staged_layers": len(staged.arrays) // 2 if staged else 0,
-                "steps": self.steps, "peak_rows": self.peak, "extra_kv_bytes": self.extra}  # fmt: skip
+                "expected": expected, "staged_layers": staged, "steps": self.steps,
+                "peak_rows": self.peak, "extra_kv_bytes": self.extra}  # fmt: skip
 
     # ---- on the compute thread ----
 
